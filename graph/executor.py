@@ -1,0 +1,542 @@
+"""The executor: bounded channels, streaming items, taps, one feedback loop, clean cancellation.
+
+Scheduling policy (the whole of it): the main thread loops over the nodes and starts every call
+that is ready — its run-constant inputs have arrived and one item waits on each streamed input
+(or, with no streamed input, it has not been called yet in this run) — on a free worker of its
+resource. Candidates are taken earliest item first, then downstream first, which drains the
+pipeline before feeding it. A node's calls never overlap. When a node's streamed inputs are
+exhausted its `finish` runs and its output streams end. Producers block in `emit` while a
+channel is full (backpressure). Feedback edges start with `prime` empty items (None).
+
+Runners differ in one thing, the worker a job runs on: `threaded` uses the plan's thread,
+process and CUDA-stream workers; `sequential` runs every job inline on the main thread (the
+no-overlap baseline, and a debugging aid).
+
+A failure anywhere cancels the run: blocked emits raise Cancelled, running calls finish or are
+abandoned after `cancel_timeout_s`, worker processes are terminated, stages are closed, and
+StageFailed names the node, the phase and the item.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from graph.context import Cancelled
+from graph.schedule import Plan, PlannedChannel
+from graph.spec import GraphSpec
+from graph.stage import Stage
+from graph.workers import InlineWorker, Job, ProcessWorker, RemoteError, StreamWorker, ThreadWorker, Worker
+
+log = logging.getLogger(__name__)
+
+
+class StageFailed(Exception):
+    def __init__(self, node: str, phase: str, item: int, stage: str, error: BaseException, emitted: int = 0):
+        self.node, self.phase, self.item, self.error = node, phase, item, error
+        where = f"item {item}" if phase == "call" else phase
+        if emitted:
+            where += f" (after emitting {emitted} item{'s' * (emitted > 1)})"
+        detail = f"{getattr(error, 'type_name', type(error).__name__)}: {getattr(error, 'message', error)}"
+        super().__init__(f"node '{node}' ({stage}) failed on {where}: {detail}")
+
+    @property
+    def traceback_text(self) -> str:
+        import traceback
+
+        if isinstance(self.error, RemoteError):
+            return self.error.tb
+        return "".join(traceback.format_exception(self.error))
+
+
+class Deadlock(Exception):
+    pass
+
+
+@dataclass
+class Envelope:
+    item: Any
+    origin: tuple[int, float] | None  # (producing call id, busy seconds into that call) for ideal-time
+
+
+class Channel:
+    def __init__(self, spec: PlannedChannel):
+        self.spec = spec
+        self.items: deque[Envelope] = deque()
+        self.closed = False
+        for _ in range(spec.prime):
+            self.items.append(Envelope(None, None))
+
+    @property
+    def full(self) -> bool:
+        return self.spec.capacity is not None and len(self.items) >= self.spec.capacity
+
+
+@dataclass
+class CallRecord:
+    id: int
+    node: str
+    phase: str
+    item: int
+    worker: str
+    resource: str
+    t0: float = 0.0
+    t1: float = 0.0
+    blocked: float = 0.0                  # seconds spent waiting on full channels inside emit
+    deps: list = field(default_factory=list)   # origins of the items it consumed
+    emits: list = field(default_factory=list)  # (port, t, busy offset)
+
+    @property
+    def busy(self) -> float:
+        return max(0.0, self.t1 - self.t0 - self.blocked)
+
+
+@dataclass
+class RunResult:
+    request: Any
+    outputs: dict[str, Any]               # "node.port" -> item (or list of items for streams)
+    calls: list[CallRecord]
+    t_start: float
+    t_end: float
+    port_times: dict[str, dict]           # "node.port" -> {items, first_s, last_s} relative to start
+
+    @property
+    def wall_s(self) -> float:
+        return self.t_end - self.t_start
+
+
+@dataclass
+class _NodeRun:
+    stream_ports: list[str]
+    pending_const: set[str]
+    consts: dict = field(default_factory=dict)
+    const_deps: list = field(default_factory=list)
+    calls: int = 0
+    running: bool = False
+    done: bool = False
+    emitted: dict = field(default_factory=dict)
+    ended: set = field(default_factory=set)
+
+
+class Executor:
+    def __init__(self, spec: GraphSpec, plan: Plan, *, cancel_timeout_s: float = 10.0, progress: bool | None = None):
+        self.spec, self.plan = spec, plan
+        self.cancel_timeout_s = cancel_timeout_s
+        self.progress = progress
+        self.cv = threading.Condition()
+        self.workers: dict[str, list[Worker]] = {}
+        self.node_worker_pin: dict[str, Worker] = {}
+        self.setup_calls: list[CallRecord] = []
+        self._records: list[CallRecord] = []
+        self._failure: StageFailed | None = None
+        self._closed = False
+        self._started = False
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> "Executor":
+        self.setup()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _make_workers(self) -> None:
+        sequential = self.plan.runner == "sequential"
+        for r in self.plan.resources:
+            if sequential:
+                # one inline worker per resource keeps trace rows and devices, but nothing overlaps
+                self.workers[r.name] = [InlineWorker(f"{r.name}", self.plan.cores, r.device)]
+                continue
+            made: list[Worker] = []
+            for i in range(r.workers):
+                name = f"{r.name}[{i}]" if r.workers > 1 else r.name
+                if r.kind == "process":
+                    made.append(ProcessWorker(name, r.torch_threads, r.device))
+                elif r.kind == "stream":
+                    made.append(StreamWorker(name, r.torch_threads, r.device, r.priority))
+                else:
+                    made.append(ThreadWorker(name, r.torch_threads, r.device))
+            self.workers[r.name] = made
+        for n in self.plan.nodes:
+            pool = self.workers[n.resource]
+            if n.worker is not None and not sequential:
+                self.node_worker_pin[n.name] = pool[n.worker]
+
+    def setup(self) -> None:
+        """Start workers, build every stage on its worker and run `setup` (weights load here)."""
+        if self._started:
+            return
+        self._started = True
+        self._make_workers()
+        for pool in self.workers.values():
+            for w in pool:
+                w.start()
+        pending = []
+        for n in self.plan.nodes:
+            node = self.spec.nodes[n.name]
+            worker = self.node_worker_pin.get(n.name) or self.workers[n.resource][0]
+            cfg = dict(node.stage_cfg)
+            if not isinstance(worker, ProcessWorker):
+                from hydra.utils import instantiate
+
+                try:
+                    worker.stages[n.name] = instantiate(cfg, _convert_="all")
+                except Exception as e:
+                    self.close()
+                    raise StageFailed(n.name, "setup", 0, node.stage_cls.__name__, e) from e
+                for other in self.workers[n.resource]:  # any worker of a thread pool may run it
+                    other.stages[n.name] = worker.stages[n.name]
+            pending.append((worker, self._job(n.name, "setup", 0, {}, None, cfg)))
+        self._run_jobs_and_wait(pending, self.setup_calls)
+
+    def close(self) -> None:
+        """Close every stage, stop every worker (terminating processes that do not stop)."""
+        if self._closed or not self._started:
+            return
+        self._closed = True
+        jobs = []
+        for n in self.plan.nodes:
+            worker = self.node_worker_pin.get(n.name) or self.workers[n.resource][0]
+            if not worker.busy and worker.alive or isinstance(worker, InlineWorker):
+                jobs.append((worker, self._job(n.name, "close", 0, {}, None)))
+        try:
+            self._run_jobs_and_wait(jobs, [], raise_first=False)
+        finally:
+            stuck = []
+            for pool in self.workers.values():
+                for w in pool:
+                    if not w.stop(self.cancel_timeout_s if not w.busy else 1.0):
+                        stuck.append(w.name)
+            if stuck:
+                log.error("workers %s did not stop; their threads are abandoned", ", ".join(stuck))
+
+    def _run_jobs_and_wait(self, pending: list[tuple[Worker, Job]], records: list, raise_first: bool = True) -> None:
+        """Setup/close: one job per worker at a time, all workers in parallel."""
+        queues: dict[int, deque] = {}
+        for w, job in pending:
+            queues.setdefault(id(w), deque()).append((w, job))
+        errors: list[StageFailed] = []
+        outstanding = 0
+        with self.cv:
+            def start_next(key):
+                nonlocal outstanding
+                if queues[key]:
+                    w, job = queues[key].popleft()
+                    rec = CallRecord(len(records), job.node, job.phase, 0, w.name, self._resource_of(job.node))
+                    records.append(rec)
+                    job.on_done = lambda j, r, e, rec=rec, key=key: done(j, r, e, rec, key)
+                    rec.t0 = time.perf_counter()
+                    outstanding += 1
+                    w.submit(job)
+
+            def done(job, result, error, rec, key):
+                nonlocal outstanding
+                with self.cv:
+                    rec.t1 = time.perf_counter()
+                    outstanding -= 1
+                    self._worker_of(rec).busy = False
+                    if error is not None:
+                        errors.append(StageFailed(job.node, job.phase, 0, self._class_name(job.node), error))
+                    start_next(key)
+                    self.cv.notify_all()
+
+            for key in list(queues):
+                start_next(key)
+            while outstanding or any(queues.values()):
+                self.cv.wait(0.1)
+        if errors:
+            for e in errors:
+                log.error("%s\n%s", e, e.traceback_text)
+            if raise_first:
+                self.close()
+                raise errors[0]
+
+    def _resource_of(self, node: str) -> str:
+        return self.plan.node(node).resource
+
+    def _class_name(self, node: str) -> str:
+        return self.spec.nodes[node].stage_cls.__name__
+
+    def _worker_of(self, rec: CallRecord) -> Worker:
+        return next(w for w in self.workers[rec.resource] if w.name == rec.worker)
+
+    def _job(self, node: str, phase: str, item: int, kwargs: dict, request: Any, cfg: dict | None = None) -> Job:
+        return Job(node, phase, item, kwargs, request, on_done=lambda *a: None,
+                   emit=lambda p, x: None, end=lambda p: None, cancelled=lambda: self._failure is not None,
+                   stage_cfg=cfg)
+
+    # ---------------------------------------------------------------- one run
+
+    def run(self, request: Any = None) -> RunResult:
+        if not self._started:
+            self.setup()
+        if self._closed:
+            raise RuntimeError("executor is closed")
+        spec = self.spec
+        self._records = []
+        self._channels: dict[tuple[str, str], Channel] = {}
+        self._consumers: dict[tuple[str, str], list[Channel]] = {}
+        for c in self.plan.channels:
+            ch = Channel(c)
+            self._channels[(c.dst, c.dst_port)] = ch
+            self._consumers.setdefault((c.src, c.src_port), []).append(ch)
+        self._outputs: dict[str, Any] = {}
+        self._port_times: dict[str, dict] = {}
+        self._state = {
+            name: _NodeRun(stream_ports=node.stream_inputs,
+                           pending_const={p for p, port in node.in_ports.items() if not port.stream})
+            for name, node in spec.nodes.items()
+        }
+        self._running = 0
+        self._blocked: dict[int, Channel] = {}  # call id -> channel its emit waits on
+        self._request = request
+        order = {n.name: n.rank for n in self.plan.nodes}
+        bar = tqdm(desc=f"run {getattr(request, 'id', '')}".strip(), unit="call", leave=False,
+                   disable=None if self.progress is None else not self.progress)
+        self._bar = bar
+        self.t_start = time.perf_counter()
+        try:
+            with self.cv:
+                while True:
+                    if self._failure is not None:
+                        raise self._failure
+                    if all(s.done for s in self._state.values()):
+                        break
+                    started = self._dispatch(order)
+                    if self._failure is not None:
+                        raise self._failure
+                    if not started:
+                        self._check_deadlock()
+                        self.cv.wait(0.05)
+        except BaseException as e:
+            self._cancel(e)
+            raise
+        finally:
+            bar.close()
+        t_end = time.perf_counter()
+        return RunResult(request, self._outputs, self._records, self.t_start, t_end, self._port_times)
+
+    def _dispatch(self, order: dict[str, int]) -> bool:
+        """Start every ready call that has a free worker. Caller holds self.cv."""
+        started = False
+        candidates = sorted((n for n, s in self._state.items() if not s.running and not s.done),
+                            key=lambda n: (self._state[n].calls, -order[n]))
+        for name in candidates:
+            worker = self._free_worker(name)
+            if worker is None:
+                continue
+            job = self._take_job(name)
+            if job is None:
+                continue
+            self._start(name, job, worker)
+            started = True
+            if self._failure is not None:
+                break
+        return started
+
+    def _free_worker(self, name: str) -> Worker | None:
+        pinned = self.node_worker_pin.get(name)
+        if pinned is not None:
+            return None if pinned.busy else pinned
+        return next((w for w in self.workers[self._resource_of(name)] if not w.busy), None)
+
+    def _take_job(self, name: str) -> tuple[str, dict, list] | None:
+        """Pop the inputs of the node's next call, if it is ready: (phase, kwargs, deps)."""
+        st = self._state[name]
+        for port in sorted(st.pending_const):
+            ch = self._channels[(name, port)]
+            if ch.items:
+                env = ch.items.popleft()
+                st.consts[port] = env.item
+                if env.origin:
+                    st.const_deps.append(env.origin)
+                st.pending_const.discard(port)
+                self.cv.notify_all()
+            elif ch.closed:
+                src = ch.spec
+                self._fail(name, "call", st.calls, RuntimeError(
+                    f"input '{port}' never arrived: {src.src} finished without emitting '{src.src_port}'"))
+                return None
+        if st.pending_const:
+            return None
+        if not st.stream_ports:
+            return ("call", dict(st.consts), list(st.const_deps)) if st.calls == 0 else ("finish", {}, [])
+        heads = [self._channels[(name, p)] for p in st.stream_ports]
+        if all(ch.items for ch in heads):
+            kwargs, deps = dict(st.consts), list(st.const_deps) if st.calls == 0 else []
+            for port, ch in zip(st.stream_ports, heads):
+                env = ch.items.popleft()
+                kwargs[port] = env.item
+                if env.origin:
+                    deps.append(env.origin)
+            self.cv.notify_all()  # room in the channels: wake blocked producers
+            return "call", kwargs, deps
+        if any(ch.closed and not ch.items for ch in heads):
+            return "finish", {}, []
+        return None
+
+    def _start(self, name: str, job_spec: tuple[str, dict, list], worker: Worker) -> None:
+        phase, kwargs, deps = job_spec
+        st = self._state[name]
+        if phase == "finish" and self.spec.nodes[name].stage_cls.finish is Stage.finish:
+            self._finish_node(name)  # nothing to flush: skip the round trip
+            return
+        item = st.calls
+        rec = CallRecord(len(self._records), name, phase, item, worker.name, self._resource_of(name), deps=deps)
+        self._records.append(rec)
+        st.running = True
+        self._running += 1
+        job = Job(name, phase, item, kwargs, self._request,
+                  on_done=lambda j, r, e, rec=rec: self._on_done(rec, r, e),
+                  emit=lambda port, x, rec=rec: self._emit(rec, port, x),
+                  end=lambda port, rec=rec: self._end(rec.node, port),
+                  cancelled=lambda: self._failure is not None)
+        rec.t0 = time.perf_counter()
+        if isinstance(worker, InlineWorker):
+            self.cv.release()  # the inline job emits, which takes the lock
+            try:
+                worker.busy = True
+                worker.submit(job)
+            finally:
+                self.cv.acquire()
+        else:
+            worker.submit(job)
+
+    def _on_done(self, rec: CallRecord, result: Any, error: BaseException | None) -> None:
+        with self.cv:
+            if error is None and self._failure is None:
+                try:  # returned outputs are emitted before the worker counts as free
+                    for port, value in (result or {}).items():
+                        self._emit(rec, port, value, locked=True)
+                except BaseException as e:
+                    error = e
+            rec.t1 = time.perf_counter()
+            self._worker_of(rec).busy = False
+            st = self._state[rec.node]
+            st.running = False
+            self._running -= 1
+            if error is not None:
+                if not isinstance(error, Cancelled) or self._failure is None:
+                    self._fail(rec.node, rec.phase, rec.item, error, emitted=len(rec.emits))
+            elif rec.phase == "call":
+                st.calls += 1
+            else:
+                self._finish_node(rec.node)
+            self._bar.update(1)
+            self.cv.notify_all()
+
+    def _finish_node(self, name: str) -> None:
+        st = self._state[name]
+        st.done = True
+        for port in self.spec.nodes[name].out_ports:
+            self._close_port(name, port)
+
+    def _close_port(self, name: str, port: str) -> None:
+        self._state[name].ended.add(port)
+        for ch in self._consumers.get((name, port), []):
+            ch.closed = True
+
+    def _end(self, name: str, port: str) -> None:
+        with self.cv:
+            if not self.spec.nodes[name].out_ports[port].stream:
+                raise ValueError(f"{name}.end('{port}'): only streamed ports can be ended")
+            self._close_port(name, port)
+            self.cv.notify_all()
+
+    def _emit(self, rec: CallRecord, port: str, item: Any, locked: bool = False) -> None:
+        if not locked:
+            with self.cv:
+                return self._emit(rec, port, item, locked=True)
+        name = rec.node
+        outs = self.spec.nodes[name].out_ports
+        if port not in outs:
+            raise KeyError(f"{name} emitted to '{port}', which its stage does not declare "
+                           f"(outputs: {', '.join(outs) or 'none'})")
+        st = self._state[name]
+        if port in st.ended:
+            raise RuntimeError(f"{name} emitted to '{port}' after ending it")
+        if not outs[port].stream and st.emitted.get(port):
+            raise RuntimeError(f"{name} emitted twice to '{port}', which is not a streamed port "
+                               "(declare Out(..., stream=True))")
+        if self._failure is not None:
+            raise Cancelled("run cancelled")
+        now = time.perf_counter()
+        offset = now - rec.t0 - rec.blocked
+        origin = (rec.id, offset)
+        for ch in self._consumers.get((name, port), []):
+            if ch.full:
+                t_wait = time.perf_counter()
+                self._blocked[rec.id] = ch
+                while ch.full and self._failure is None:
+                    self.cv.wait(0.05)
+                del self._blocked[rec.id]
+                rec.blocked += time.perf_counter() - t_wait
+                if self._failure is not None:
+                    raise Cancelled("run cancelled")
+            ch.items.append(Envelope(item, origin))
+        st.emitted[port] = st.emitted.get(port, 0) + 1
+        key = f"{name}.{port}"
+        t = now - self.t_start
+        pt = self._port_times.setdefault(key, {"items": 0, "first_s": t, "last_s": t})
+        pt["items"] += 1
+        pt["last_s"] = t
+        rec.emits.append((port, now, offset))
+        if not self._consumers.get((name, port)):
+            if outs[port].stream:
+                self._outputs.setdefault(key, []).append(item)
+            else:
+                self._outputs[key] = item
+        self.cv.notify_all()
+
+    def _fail(self, node: str, phase: str, item: int, error: BaseException, emitted: int = 0) -> None:
+        if self._failure is None:
+            self._failure = StageFailed(node, phase, item, self._class_name(node), error, emitted)
+            log.debug("%s\n%s", self._failure, self._failure.traceback_text)
+        self.cv.notify_all()
+
+    def _check_deadlock(self) -> None:
+        """Nothing can start; if every running call waits on a full channel, nothing ever will."""
+        if self._running and len(self._blocked) < self._running:
+            return
+        if any(not ch.full for ch in self._blocked.values()):
+            return
+        if not self._running and self._failure is None:
+            waiting = []
+            for name, st in self._state.items():
+                if st.done:
+                    continue
+                missing = sorted(st.pending_const) or [p for p in st.stream_ports if not self._channels[(name, p)].items]
+                waiting.append(f"{name} waits for {', '.join(missing) or 'a worker'}")
+            self._failure = StageFailed("executor", "run", 0, "scheduler", Deadlock(
+                "no call can start and none is running: " + "; ".join(waiting)))
+            return
+        if self._running:
+            blocked = [f"{r.node} blocked on full {ch.spec.edge}" for r in self._records
+                       if r.id in self._blocked for ch in [self._blocked[r.id]]]
+            self._failure = StageFailed("executor", "run", 0, "scheduler", Deadlock(
+                "every running call is blocked on a full channel whose consumer cannot start: "
+                + "; ".join(blocked) + ". Fix: put producer and consumer on different resources or raise "
+                "the edge's capacity (graph.nodes.<consumer>.inputs.<port>.capacity)."))
+            self.cv.notify_all()
+
+    def _cancel(self, reason: BaseException) -> None:
+        """Stop the run: wake blocked emits, wait a little for running calls, then close all."""
+        with self.cv:
+            if self._failure is None:
+                self._failure = StageFailed("executor", "run", 0, "run", reason)
+            self.cv.notify_all()
+            deadline = time.perf_counter() + self.cancel_timeout_s
+            while self._running and time.perf_counter() < deadline:
+                for pool in self.workers.values():  # processes can be stopped at once
+                    for w in pool:
+                        if isinstance(w, ProcessWorker) and w.busy and w.process.is_alive():
+                            w.process.terminate()
+                self.cv.wait(0.05)
+        self.close()

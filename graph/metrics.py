@@ -1,0 +1,75 @@
+"""Run metrics as pure functions of the executor's call records.
+
+`ideal_wall_s` replays the run with every call taking exactly its measured busy time and no
+scheduling cost: a call starts when its inputs were emitted (a tap counts from the moment it was
+published, not when its producer returned), its node's previous call has ended, and a worker of its
+resource is free. That is the best this graph could do on these resources with these stages, so
+`wall_s / ideal_wall_s` is the executor's efficiency, and (wall − ideal) / calls its overhead.
+"""
+
+from __future__ import annotations
+
+import heapq
+import resource as _resource
+import sys
+from typing import Any, Iterable
+
+
+def ideal_schedule(calls: Iterable[Any], workers: dict[str, int], pins: dict[str, int | None]) -> dict[int, tuple[float, float]]:
+    """call id -> (ideal start, ideal end), seconds from the run's start."""
+    slots = {r: [0.0] * n for r, n in workers.items()}           # free time of each worker
+    pinned_free: dict[tuple[str, int], float] = {}
+    node_end: dict[str, float] = {}
+    out: dict[int, tuple[float, float]] = {}
+    for c in sorted(calls, key=lambda c: c.t0):
+        ready = max([out[pid][0] + off for pid, off in c.deps if pid in out] + [node_end.get(c.node, 0.0)])
+        pin = pins.get(c.node)
+        if pin is not None:
+            start = max(ready, pinned_free.get((c.resource, pin), 0.0))
+            pinned_free[(c.resource, pin)] = start + c.busy
+        else:
+            heap = slots[c.resource]
+            free = heapq.heappop(heap)
+            start = max(ready, free)
+            heapq.heappush(heap, start + c.busy)
+        out[c.id] = (start, start + c.busy)
+        node_end[c.node] = start + c.busy
+    return out
+
+
+def ideal_wall_s(calls: list, workers: dict[str, int], pins: dict[str, int | None]) -> float:
+    sched = ideal_schedule(calls, workers, pins)
+    return max((end for _, end in sched.values()), default=0.0)
+
+
+def stage_stats(calls: Iterable[Any], resources: dict[str, str]) -> dict[str, dict]:
+    stats: dict[str, dict] = {}
+    for c in calls:
+        s = stats.setdefault(c.node, {"busy_s": 0.0, "calls": 0, "blocked_s": 0.0, "resource": resources[c.node]})
+        s["busy_s"] += c.busy
+        s["blocked_s"] += c.blocked
+        s["calls"] += c.phase == "call"
+    return {k: {**v, "busy_s": round(v["busy_s"], 6), "blocked_s": round(v["blocked_s"], 6)} for k, v in stats.items()}
+
+
+def resource_busy(calls: Iterable[Any]) -> dict[str, float]:
+    busy: dict[str, float] = {}
+    for c in calls:
+        busy[c.resource] = busy.get(c.resource, 0.0) + c.busy
+    return {k: round(v, 6) for k, v in busy.items()}
+
+
+def peak_memory() -> dict[str, int | None]:
+    rss = _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss
+    children = _resource.getrusage(_resource.RUSAGE_CHILDREN).ru_maxrss
+    scale = 1 if sys.platform == "darwin" else 1024  # Linux reports KiB
+    cuda = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            cuda = int(torch.cuda.max_memory_allocated())
+    except ImportError:
+        pass
+    return {"peak_rss_bytes": int(rss * scale), "peak_children_rss_bytes": int(children * scale),
+            "peak_cuda_bytes": cuda}

@@ -1,0 +1,119 @@
+"""Resources: CPU pools and GPU streams, as declared by `conf/resources/*.yaml`.
+
+    cores: auto                      # cores reelflow may use (auto: this process's affinity)
+    strict: false                    # true: a GPU stream without CUDA is an error, not a fallback
+    pools:
+      cpu:    {kind: thread,  workers: 1, torch_threads: auto}
+      decode: {kind: process, workers: 2, torch_threads: 1}
+    streams:
+      target: {device: cuda:0, priority: 0}
+
+Without CUDA a stream becomes a one-worker CPU thread pool; that is logged once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from graph.spec import ConfigError
+
+log = logging.getLogger(__name__)
+_fallback_logged = False
+
+
+@dataclass(frozen=True)
+class Resource:
+    name: str
+    kind: str                 # thread | process | stream
+    workers: int
+    torch_threads: int | str  # an int, or "auto" until the schedule fixes it
+    device: str = "cpu"
+    priority: int = 0
+    note: str = ""
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.kind == "stream"
+
+
+def cuda_devices() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def load_resources(cfg: Any, n_cuda: int | None = None) -> tuple[dict[str, Resource], int, bool]:
+    """Parse a resources config. Returns (resources by name, cores, strict)."""
+    global _fallback_logged
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    cfg = dict(cfg or {})
+    n_cuda = cuda_devices() if n_cuda is None else n_cuda
+    cores = cfg.get("cores", "auto")
+    cores = available_cores() if cores in (None, "auto") else int(cores)
+    strict = bool(cfg.get("strict", False))
+    problems: list[str] = []
+    out: dict[str, Resource] = {}
+
+    for name, pool in (cfg.get("pools") or {}).items():
+        pool = dict(pool or {})
+        kind = pool.get("kind", "thread")
+        if kind not in ("thread", "process"):
+            problems.append(f"resource '{name}': kind '{kind}' is not thread or process. Fix: resources.pools.{name}.kind=thread")
+            continue
+        workers = pool.get("workers", 1)
+        workers = cores if workers in (None, "auto") else int(workers)
+        if workers < 1:
+            problems.append(f"resource '{name}': workers={workers}; a pool needs at least one. Fix: resources.pools.{name}.workers=1")
+            continue
+        threads = pool.get("torch_threads", "auto")
+        out[name] = Resource(name, kind, workers, threads if threads == "auto" else int(threads))
+
+    fallen: list[str] = []
+    for name, stream in (cfg.get("streams") or {}).items():
+        stream = dict(stream or {})
+        device = str(stream.get("device", "cuda:0"))
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if name in out:
+            problems.append(f"resource '{name}' is declared both as a pool and as a stream; rename one.")
+            continue
+        if device.startswith("cuda") and index < n_cuda:
+            out[name] = Resource(name, "stream", 1, 1, device=device, priority=int(stream.get("priority", 0)))
+        else:
+            fallen.append(f"{name} ({device})")
+            out[name] = Resource(name, "thread", 1, "auto", device="cpu", priority=int(stream.get("priority", 0)),
+                                 note=f"no {device}: CPU worker")
+    if problems:
+        raise ConfigError(problems)
+    if fallen and not strict and not _fallback_logged:
+        log.warning("no CUDA device for GPU streams %s: they run as CPU workers", ", ".join(fallen))
+        _fallback_logged = True
+    return out, cores, strict
+
+
+def strict_gpu_problems(placements: Mapping[str, str], resources: Mapping[str, Resource], raw_cfg: Any) -> list[str]:
+    """Nodes placed on a fallen-back GPU stream while resources.strict=true."""
+    problems = []
+    for node, res_name in placements.items():
+        res = resources.get(res_name)
+        if res is not None and res.note.startswith("no "):
+            problems.append(
+                f"node '{node}' is on GPU stream '{res_name}' ({res.note.split(':')[0][3:]}) but this machine has "
+                f"no such CUDA device and resources.strict=true. Fix: resources=cpu, or resources.strict=false to "
+                "run GPU streams as CPU workers."
+            )
+    return problems

@@ -1,0 +1,170 @@
+"""Compile a validated graph onto resources: a plan that is plain data.
+
+Policy, decided here once so the executor only follows it:
+- every node runs on the resource its config names; calls of one node never overlap;
+- torch threads: a pool with `torch_threads: auto` gets cores // (workers of all CPU resources the
+  graph uses), at least 1, so concurrent torch workers never oversubscribe the cores;
+- channels hold `capacity` items; a streamed edge between two nodes sharing a one-worker resource is
+  unbounded (the producer holds the only worker, so a bound would deadlock it); a feedback edge
+  holds at least its primed items; the sequential runner makes every channel unbounded;
+- process-pool nodes are pinned to one worker process each (their stage lives there), round-robin.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from graph.resources import Resource, strict_gpu_problems
+from graph.spec import ConfigError, GraphSpec
+
+log = logging.getLogger(__name__)
+RUNNERS = ("threaded", "sequential")
+
+
+@dataclass(frozen=True)
+class PlannedResource:
+    name: str
+    kind: str
+    workers: int
+    torch_threads: int
+    device: str
+    priority: int
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class PlannedNode:
+    name: str
+    stage: str            # dotted class path
+    resource: str
+    worker: int | None    # pinned worker (process pools), else None = any free worker
+    calls: str            # "once" or "per <port>[, <port>]"
+    rank: int             # topological rank: earlier = upstream
+
+
+@dataclass(frozen=True)
+class PlannedChannel:
+    edge: str
+    src: str
+    src_port: str
+    dst: str
+    dst_port: str
+    capacity: int | None  # None = unbounded
+    prime: int
+    feedback: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    runner: str
+    cores: int
+    resources: list[PlannedResource]
+    nodes: list[PlannedNode]
+    channels: list[PlannedChannel]
+    warnings: list[str] = field(default_factory=list)
+
+    def resource(self, name: str) -> PlannedResource:
+        return next(r for r in self.resources if r.name == name)
+
+    def node(self, name: str) -> PlannedNode:
+        return next(n for n in self.nodes if n.name == name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_text(self) -> str:
+        lines = [f"runner: {self.runner}   cores: {self.cores}", "", "resources:"]
+        for r in self.resources:
+            where = r.device if r.kind == "stream" else f"torch_threads={r.torch_threads}"
+            lines.append(f"  {r.name:<10} {r.kind:<8} workers={r.workers:<3} {where}"
+                         + (f"   # {r.note}" if r.note else ""))
+        lines += ["", "nodes (topological order):"]
+        for n in self.nodes:
+            pin = f"[{n.worker}]" if n.worker is not None else ""
+            lines.append(f"  {n.name:<12} on {n.resource + pin:<12} {n.calls:<22} {n.stage}")
+        lines += ["", "channels:"]
+        for c in self.channels:
+            cap = "unbounded" if c.capacity is None else f"capacity {c.capacity}"
+            extra = f", prime {c.prime}" if c.prime else ""
+            lines.append(f"  {c.edge:<44} {cap}{extra}" + (f"   # {c.note}" if c.note else ""))
+        if self.warnings:
+            lines += ["", "warnings:"] + [f"  {w}" for w in self.warnings]
+        return "\n".join(lines) + "\n"
+
+
+def compile_plan(
+    spec: GraphSpec,
+    resources: dict[str, Resource],
+    cores: int,
+    *,
+    strict: bool = False,
+    runner: str = "threaded",
+    capacity: int = 2,
+) -> Plan:
+    if runner not in RUNNERS:
+        raise ConfigError(f"unknown runner '{runner}'. Fix: executor.runner={' or '.join(RUNNERS)}")
+    if capacity < 1:
+        raise ConfigError(f"executor.capacity={capacity}; channels need room for one item. Fix: executor.capacity=2")
+    placements = {n.name: n.on for n in spec.nodes.values()}
+    problems = []
+    for name, node in spec.nodes.items():
+        res = resources[node.on]
+        if res.is_gpu and node.stage_cls.placement == "cpu":
+            cpu_pools = [r.name for r in resources.values() if not r.is_gpu]
+            problems.append(
+                f"node '{name}' ({node.stage_cls.__name__}, placement cpu) is on GPU stream '{node.on}'. "
+                f"Fix: graph.nodes.{name}.on=<a CPU pool: {', '.join(cpu_pools) or 'declare one'}>"
+            )
+    if strict:
+        problems += strict_gpu_problems(placements, resources, None)
+    if problems:
+        raise ConfigError(problems)
+
+    used = [r for r in resources.values() if r.name in placements.values()]
+    cpu_workers = sum(r.workers for r in used if not r.is_gpu)
+    auto_threads = max(1, cores // max(1, cpu_workers))
+    warnings = []
+    planned_res = []
+    for r in used:
+        threads = auto_threads if r.torch_threads == "auto" else int(r.torch_threads)
+        planned_res.append(PlannedResource(r.name, r.kind, r.workers, threads, r.device, r.priority, r.note))
+    demand = sum(r.workers * r.torch_threads for r in planned_res if r.kind != "stream")
+    if runner == "threaded" and demand > cores:
+        warnings.append(f"{cpu_workers} CPU workers with {demand} torch threads in all on {cores} cores: "
+                        "workers that run at the same time share cores")
+
+    rank = {n: i for i, n in enumerate(spec.order)}
+    pins: dict[str, int] = {}
+    nodes = []
+    for name in spec.order:
+        node = spec.nodes[name]
+        res = resources[node.on]
+        worker = None
+        if res.kind == "process":
+            worker = pins[node.on] = (pins.get(node.on, -1) + 1) % res.workers
+        streamed = node.stream_inputs
+        calls = f"per {', '.join(streamed)}" if streamed else "once"
+        cls = node.stage_cls
+        nodes.append(PlannedNode(name, f"{cls.__module__}.{cls.__qualname__}", node.on, worker, calls, rank[name]))
+
+    channels = []
+    for e in spec.edges:
+        src_node, dst_node = spec.nodes[e.src], spec.nodes[e.dst]
+        out = src_node.out_ports[e.src_port]
+        cap: int | None = int(e.capacity) if e.capacity is not None else capacity
+        note = ""
+        same = src_node.on == dst_node.on and resources[src_node.on].workers == 1
+        if runner == "sequential":
+            cap, note = None, "sequential runner"
+        elif same and out.stream and not e.feedback:
+            cap, note = None, f"both on one-worker '{src_node.on}': cannot overlap"
+        if e.feedback and cap is not None and cap < e.prime:
+            cap = e.prime
+        channels.append(PlannedChannel(str(e), e.src, e.src_port, e.dst, e.dst_port, cap,
+                                       e.prime if e.feedback else 0, e.feedback, note))
+    for w in warnings:
+        log.warning(w)
+    return Plan(runner, cores, planned_res, nodes, channels, warnings)

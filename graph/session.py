@@ -1,0 +1,119 @@
+"""One `python -m run` job: validate, compile, execute, and leave the run dir's files.
+
+    plan.txt       the compiled plan
+    trace.json     Chrome trace events of the (first) measured run
+    timeline.png   Gantt chart by resource of the same run
+    metrics.json   DESIGN.md's keys that apply, plus the engine's own (ideal time, overhead)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from graph.executor import Executor, RunResult
+from graph.metrics import ideal_wall_s, peak_memory, resource_busy, stage_stats
+from graph.resources import load_resources
+from graph.schedule import Plan, compile_plan
+from graph.spec import ConfigError, GraphSpec, build_graph
+from graph.trace import chrome_trace, plot_timeline, write_trace
+
+log = logging.getLogger(__name__)
+
+
+def prepare(cfg: DictConfig, n_cuda: int | None = None) -> tuple[GraphSpec, Plan]:
+    """Everything that can be checked without building a stage: the config's whole validation."""
+    resources, cores, strict = load_resources(cfg.get("resources"), n_cuda=n_cuda)
+    spec = build_graph(cfg.get("graph"), resources)
+    ex = cfg.get("executor") or {}
+    plan = compile_plan(spec, resources, cores, strict=strict, runner=ex.get("runner", "threaded"),
+                        capacity=int(ex.get("capacity", 2)))
+    first = (cfg.get("graph") or {}).get("first_token")
+    if first and (first.rsplit(".", 1)[0] not in spec.nodes or "." not in first):
+        raise ConfigError(f"graph.first_token={first} names no node.port of this graph. Fix: e.g. graph.first_token=verify.tokens")
+    return spec, plan
+
+
+def run_metrics(result: RunResult, spec: GraphSpec, plan: Plan, first_token: str | None) -> dict[str, Any]:
+    calls = [c for c in result.calls]
+    workers = {r.name: (1 if plan.runner == "sequential" else r.workers) for r in plan.resources}
+    pins = {n.name: (n.worker if plan.runner == "threaded" else None) for n in plan.nodes}
+    ideal = ideal_wall_s(calls, workers, pins)
+    wall = result.wall_s
+    n_calls = len(calls)
+    ttft = result.port_times.get(first_token, {}).get("first_s") if first_token else None
+    tokens = next((v for v in result.outputs.values() if hasattr(v, "ids")), None)
+    return {
+        "request": getattr(result.request, "id", None),
+        "output_text": getattr(tokens, "text", None),
+        "output_ids": list(tokens.ids) if tokens is not None else None,
+        "n_generated": len(tokens.ids) if tokens is not None else None,
+        "wall_s": round(wall, 6),
+        "ttft_s": round(ttft, 6) if ttft is not None else None,
+        "decode_s": round(wall - ttft, 6) if ttft is not None else None,
+        "ideal_wall_s": round(ideal, 6),
+        "efficiency": round(ideal / wall, 4) if wall > 0 else None,
+        "n_calls": n_calls,
+        "overhead_per_call_us": round((wall - ideal) / n_calls * 1e6, 2) if n_calls else None,
+        "busy_s": round(sum(c.busy for c in calls), 6),
+        "stages": stage_stats(calls, {n.name: n.resource for n in plan.nodes}),
+        "resources": resource_busy(calls),
+        "ports": {k: {kk: (round(vv, 6) if isinstance(vv, float) else vv) for kk, vv in v.items()}
+                  for k, v in result.port_times.items()},
+        "tokens_meta": dict(getattr(tokens, "meta", {}) or {}) if tokens is not None else None,
+    }
+
+
+def _model_name(entry: Any) -> str | None:
+    return entry.get("name") or entry.get("path") if isinstance(entry, dict) else entry
+
+
+def run_job(cfg: DictConfig, requests: list[Any], run_dir: Path) -> dict[str, Any]:
+    run_dir = Path(run_dir)
+    spec, plan = prepare(cfg)
+    (run_dir / "plan.txt").write_text(plan.to_text())
+    log.info("plan:\n%s", plan.to_text())
+    ex_cfg = cfg.get("executor") or {}
+    warmup = int(ex_cfg.get("warmup", 0))
+    progress = ex_cfg.get("progress", None)
+    first_token = (cfg.get("graph") or {}).get("first_token")
+    results: list[RunResult] = []
+    with Executor(spec, plan, cancel_timeout_s=float(ex_cfg.get("cancel_timeout_s", 10.0)), progress=progress) as ex:
+        for _ in range(warmup):
+            ex.run(requests[0])
+        for request in tqdm(requests, desc="requests", unit="req", disable=None if progress is None else not progress):
+            results.append(ex.run(request))
+        setup_s = sum(c.t1 - c.t0 for c in ex.setup_calls)
+
+    per_run = [run_metrics(r, spec, plan, first_token) for r in results]
+    first = results[0]
+    taps = {(n, p) for n, node in spec.nodes.items() for p, o in node.out_ports.items() if o.tap}
+    res_names = [r.name for r in plan.resources]
+    write_trace(run_dir / "trace.json", chrome_trace(first.calls, first.t_start, res_names, taps,
+                                                     {"experiment": cfg.get("experiment"), "runner": plan.runner}))
+    m0 = per_run[0]
+    title = (f"{cfg.get('experiment') or 'run'} ({plan.runner}): wall {m0['wall_s']:.3f} s, "
+             f"ideal overlapped {m0['ideal_wall_s']:.3f} s ({100 * (m0['efficiency'] or 0):.0f} %)")
+    plot_timeline(run_dir / "timeline.png", first.calls, first.t_start, res_names, taps, title)
+
+    model = OmegaConf.to_container(cfg.model, resolve=True) if cfg.get("model") else {}
+    metrics: dict[str, Any] = {
+        "experiment": cfg.get("experiment"),
+        "model": {role: _model_name(model.get(role)) for role in ("target", "draft")},
+        "video": None,
+        "runner": plan.runner,
+        "setup_s": round(setup_s, 6),
+        "warmup_runs": warmup,
+        **{k: v for k, v in m0.items() if k != "request"},
+        "memory": peak_memory(),
+    }
+    if len(per_run) > 1:
+        metrics["runs"] = per_run
+        metrics["wall_s_mean"] = round(sum(m["wall_s"] for m in per_run) / len(per_run), 6)
+    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))
+    return metrics

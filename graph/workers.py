@@ -1,0 +1,296 @@
+"""Workers run jobs for the executor. Thread and process differ in one method, `execute`.
+
+- ThreadWorker: a thread with its own torch thread count (torch.set_num_threads is per thread).
+- StreamWorker: a ThreadWorker whose jobs run inside a CUDA stream; it synchronises the stream
+  once per job, so timings are real and items are ready when handed to another stream.
+- ProcessWorker: a spawned child process holding its stages; the parent-side thread forwards
+  emits (with an acknowledgement, so backpressure reaches the child) and waits for the result.
+- InlineWorker: runs a job on the caller's thread (the sequential runner).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from graph.context import Cancelled, StageContext
+
+
+@dataclass
+class Job:
+    node: str
+    phase: str                   # setup | call | finish | close
+    item: int
+    kwargs: dict
+    request: Any
+    on_done: Callable[["Job", Any, BaseException | None], None]
+    emit: Callable[[str, Any], None] | None = None
+    end: Callable[[str], None] | None = None
+    cancelled: Callable[[], bool] = lambda: False
+    stage_cfg: dict | None = None  # setup of a process-pool stage: how to build it
+
+
+class RemoteError(Exception):
+    """An exception raised inside a worker process, carried back as text."""
+
+    def __init__(self, type_name: str, message: str, tb: str):
+        super().__init__(f"{type_name}: {message}")
+        self.type_name, self.message, self.tb = type_name, message, tb
+
+
+def _device(name: str):
+    import torch
+
+    return torch.device(name)
+
+
+def _run_phase(stage: Any, job: Job, ctx: StageContext) -> Any:
+    if job.phase == "setup":
+        return stage.setup(ctx)
+    if job.phase == "call":
+        return stage(ctx, **job.kwargs)
+    if job.phase == "finish":
+        return stage.finish(ctx)
+    if job.phase == "close":
+        return stage.close()
+    raise ValueError(f"unknown phase {job.phase}")
+
+
+class Worker:
+    """Base: a thread that takes jobs from a queue and runs `execute` on each."""
+
+    def __init__(self, name: str, torch_threads: int, device: str = "cpu"):
+        self.name, self.torch_threads, self.device = name, torch_threads, device
+        self.stages: dict[str, Any] = {}
+        self.busy = False
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=f"reelflow-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        self.busy = True
+        self._jobs.put(job)
+
+    def _thread_init(self) -> None:
+        import torch
+
+        torch.set_num_threads(self.torch_threads)
+
+    def _loop(self) -> None:
+        self._thread_init()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                result, error = self.execute(job), None
+            except BaseException as e:  # reported to the executor, which cancels the run
+                result, error = None, e
+            job.on_done(job, result, error)
+
+    def execute(self, job: Job) -> Any:
+        ctx = StageContext(job.node, job.item, _device(self.device), job.request, job.emit, job.end, job.cancelled)
+        return _run_phase(self.stages[job.node], job, ctx)
+
+    def stop(self, timeout: float) -> bool:
+        """Ask the worker to exit; True if it did within `timeout`."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+class ThreadWorker(Worker):
+    pass
+
+
+class StreamWorker(Worker):
+    def __init__(self, name: str, torch_threads: int, device: str, priority: int = 0):
+        super().__init__(name, torch_threads, device)
+        self.priority = priority
+        self._stream = None
+
+    def _thread_init(self) -> None:
+        import torch
+
+        super()._thread_init()
+        torch.cuda.set_device(self.device)
+        # CUDA: lower number = higher priority; clamp to what the device offers.
+        least, greatest = torch.cuda.Stream.priority_range()
+        self._stream = torch.cuda.Stream(device=self.device, priority=max(greatest, min(least, self.priority)))
+
+    def execute(self, job: Job) -> Any:
+        import torch
+
+        with torch.cuda.stream(self._stream):
+            result = super().execute(job)
+        self._stream.synchronize()
+        return result
+
+
+class InlineWorker(Worker):
+    """Runs jobs on the calling thread: the sequential runner's only worker per device."""
+
+    def start(self) -> None:
+        pass
+
+    def submit(self, job: Job) -> None:
+        try:
+            result, error = self.execute(job), None
+        except BaseException as e:
+            result, error = None, e
+        job.on_done(job, result, error)
+
+    def stop(self, timeout: float) -> bool:
+        return True
+
+    @property
+    def alive(self) -> bool:
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# process workers
+
+
+def _send(conn, msg) -> None:
+    # Plain pickle copies tensors by value: nothing goes through /dev/shm behind our back.
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _recv(conn):
+    return pickle.loads(conn.recv_bytes())
+
+
+def _die_with_parent() -> None:
+    try:  # Linux: the kernel kills us if the parent dies without cleaning up.
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _child_main(conn, torch_threads: int, device: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C and shuts us down
+    _die_with_parent()
+    import torch
+    from hydra.utils import instantiate
+
+    torch.set_num_threads(torch_threads)
+    stages: dict[str, Any] = {}
+    cancelled = False
+
+    def emit(port, item):
+        nonlocal cancelled
+        _send(conn, ("emit", port, item))
+        if _recv(conn)[0] == "cancel":
+            cancelled = True
+            raise Cancelled("run cancelled")
+
+    def end(port):
+        _send(conn, ("end", port))
+        _recv(conn)
+
+    while True:
+        try:
+            msg = _recv(conn)
+        except (EOFError, OSError):
+            return
+        kind = msg[0]
+        if kind == "exit":
+            return
+        _, phase, node, item, kwargs, request, stage_cfg = msg
+        cancelled = False
+        try:
+            if phase == "setup":
+                stages[node] = instantiate(stage_cfg, _convert_="all")
+            job = Job(node, phase, item, kwargs, request, on_done=None)  # type: ignore[arg-type]
+            ctx = StageContext(node, item, torch.device(device), request, emit, end, lambda: cancelled)
+            result = _run_phase(stages[node], job, ctx)
+            _send(conn, ("done", result))
+        except BaseException as e:
+            _send(conn, ("error", type(e).__name__, str(e), traceback.format_exc()))
+        if phase == "close":
+            stages.pop(node, None)
+
+
+class ProcessWorker(Worker):
+    """A parent-side thread driving one spawned child process."""
+
+    def __init__(self, name: str, torch_threads: int, device: str = "cpu"):
+        super().__init__(name, torch_threads, device)
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=_child_main, args=(child_conn, torch_threads, device),
+                                   name=f"reelflow-{name}", daemon=True)
+        self._child_conn = child_conn
+
+    def start(self) -> None:
+        self.process.start()
+        self._child_conn.close()
+        super().start()
+
+    def _thread_init(self) -> None:
+        pass  # torch threads are set inside the child
+
+    def execute(self, job: Job) -> Any:
+        _send(self._conn, ("job", job.phase, job.node, job.item, job.kwargs, job.request, job.stage_cfg))
+        while True:
+            try:
+                msg = _recv(self._conn)
+            except (EOFError, OSError):
+                self.process.join(1.0)
+                raise RemoteError("WorkerDied", f"worker process {self.name} (pid {self.process.pid}) died "
+                                  f"with exit code {self.process.exitcode}", "") from None
+            kind = msg[0]
+            if kind in ("emit", "end"):
+                try:
+                    job.emit(msg[1], msg[2]) if kind == "emit" else job.end(msg[1])
+                    _send(self._conn, ("ok",))
+                except Cancelled:
+                    _send(self._conn, ("cancel",))
+            elif kind == "done":
+                return msg[1]
+            elif kind == "error":
+                if msg[1] == "Cancelled":
+                    raise Cancelled(msg[2])
+                raise RemoteError(msg[1], msg[2], msg[3])
+
+    def stop(self, timeout: float) -> bool:
+        if self.process.is_alive() and not self.busy:
+            try:
+                _send(self._conn, ("exit",))
+            except OSError:
+                pass
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout)
+        # a thread blocked in recv() wakes with EOFError once the child is gone
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        self._conn.close()
+        return not self.process.is_alive() and not self._thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive() or self._thread.is_alive()
+
+    def pid(self) -> int | None:
+        return self.process.pid

@@ -1,0 +1,69 @@
+"""Where a run's input comes from: the `data:` config turned into Requests, and the Source stage
+that hands the current Request to the graph.
+
+    data.path=VIDEO data.prompt=TEXT     one file
+    data.folder=DIR data.prompt=TEXT     every video file in DIR, sorted by name
+    data.manifest=FILE.jsonl             one {"path": ..., "prompt": ...} per line (paths relative to the file)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from graph.spec import ConfigError
+from graph.stage import Out, Stage
+from stages.types import Request
+
+VIDEO_SUFFIXES = {".mp4", ".mkv", ".webm", ".mov", ".avi", ".ts", ".m4v", ".flv"}
+
+
+def load_requests(data: Any) -> list[Request]:
+    data = dict(data or {})
+    path, folder, manifest, prompt = (data.get(k) for k in ("path", "folder", "manifest", "prompt"))
+    given = [k for k in ("path", "folder", "manifest") if data.get(k)]
+    if len(given) > 1:
+        raise ConfigError(f"data: give one of path, folder, manifest (got {', '.join(given)}).")
+    if path:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ConfigError(f"data.path={path}: no such file.")
+        return [Request(id=p.stem, video=str(p.resolve()), prompt=prompt)]
+    if folder:
+        d = Path(folder).expanduser()
+        if not d.is_dir():
+            raise ConfigError(f"data.folder={folder}: no such directory.")
+        files = sorted(f for f in d.iterdir() if f.suffix.lower() in VIDEO_SUFFIXES)
+        if not files:
+            raise ConfigError(f"data.folder={folder}: no video files ({', '.join(sorted(VIDEO_SUFFIXES))}).")
+        return [Request(id=f.stem, video=str(f.resolve()), prompt=prompt) for f in files]
+    if manifest:
+        m = Path(manifest).expanduser()
+        if not m.is_file():
+            raise ConfigError(f"data.manifest={manifest}: no such file.")
+        out = []
+        for n, line in enumerate(m.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                video = (m.parent / row["path"]).resolve()
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ConfigError(f"data.manifest={manifest} line {n}: expected {{\"path\": ..., \"prompt\": ...}} ({e}).") from None
+            if not video.is_file():
+                raise ConfigError(f"data.manifest={manifest} line {n}: no such file {video}.")
+            out.append(Request(id=str(row.get("id", video.stem)), video=str(video), prompt=row.get("prompt", prompt)))
+        if not out:
+            raise ConfigError(f"data.manifest={manifest} has no rows.")
+        return out
+    return [Request(id="0", video=None, prompt=prompt)]
+
+
+class Source(Stage):
+    """Emits the run's Request, so stages downstream see the video and prompt as an input."""
+
+    outputs = {"request": Out(Request)}
+
+    def __call__(self, ctx):
+        return {"request": ctx.request}

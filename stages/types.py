@@ -1,0 +1,106 @@
+"""Port types: the small frozen records that travel along the graph's edges.
+
+The engine checks edges by these classes (a producer's type must be the consumer's type or a
+subclass of it) and never looks inside. Tensors carry their shapes in comments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Request:
+    """One run's input: a video and a prompt (either may be absent for synthetic graphs)."""
+
+    id: str = "0"
+    video: str | None = None
+    prompt: str | None = None
+
+
+@dataclass(frozen=True)
+class Payload:
+    """A generic tensor item, used by synthetic stages and tests."""
+
+    index: int
+    data: Any  # torch.Tensor, any shape
+
+
+@dataclass(frozen=True)
+class FrameGroup:
+    """Consecutive decoded frames: the unit that streams from decode to encode."""
+
+    index: int          # group number, earliest first
+    frames: Any         # uint8 [n, 3, H, W]
+    seconds: Any        # float64 [n], timestamps relative to the stream's first pts
+    last: bool = False  # no group follows in this run
+
+
+@dataclass(frozen=True)
+class VisualTokens:
+    """Vision-encoder output of one frame group, ready to be placed into the LLM sequence."""
+
+    index: int
+    embeds: Any                      # [n_tokens, hidden]
+    meta: dict = field(default_factory=dict)  # model-specific (grid_thw, positions, ...)
+    last: bool = False
+
+
+@dataclass(frozen=True)
+class KV:
+    """A model's cache after (part of) prefill. A pruned cache is shorter than its logical
+    length; both are kept (DESIGN pitfall 2)."""
+
+    cache: Any
+    logical_length: int
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Taps:
+    """Hidden states published mid-forward: layer index -> [seq, hidden]."""
+
+    layers: dict
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which visual tokens a pruner keeps, as indices into the unpruned sequence."""
+
+    keep: Any            # int64 [n_keep], sorted
+    total: int
+    scores: Any = None   # float [total], for plots
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A draft's block of tokens continuing the sequence at ``base`` (its assumed committed
+    length, so a verifier can tell a proposal made on a rejected prefix)."""
+
+    round: int
+    base: int
+    tokens: Any          # int64 [k]
+    probs: Any = None    # float [k, vocab] when sampling
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The target's answer to one proposal."""
+
+    round: int
+    accepted: int        # draft tokens accepted (0..k)
+    token: int           # the target's own next token (bonus or correction)
+    length: int          # committed length after this verdict
+    stale: bool = False  # the proposal was built on a prefix already rejected
+    done: bool = False
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Generated output."""
+
+    ids: list
+    text: str | None = None
+    meta: dict = field(default_factory=dict)
