@@ -32,7 +32,7 @@ from graph.context import Cancelled
 from graph.schedule import Plan, PlannedChannel
 from graph.spec import GraphSpec
 from graph.stage import Stage
-from graph.workers import InlineWorker, Job, ProcessWorker, RemoteError, StreamWorker, ThreadWorker, Worker
+from graph.workers import InlineWorker, Job, build_stage, ProcessWorker, RemoteError, StreamWorker, ThreadWorker, Worker
 
 log = logging.getLogger(__name__)
 
@@ -184,10 +184,8 @@ class Executor:
             worker = self.node_worker_pin.get(n.name) or self.workers[n.resource][0]
             cfg = dict(node.stage_cfg)
             if not isinstance(worker, ProcessWorker):
-                from hydra.utils import instantiate
-
                 try:
-                    worker.stages[n.name] = instantiate(cfg, _convert_="all")
+                    worker.stages[n.name] = build_stage(cfg)
                 except Exception as e:
                     self.close()
                     raise StageFailed(n.name, "setup", 0, node.stage_cls.__name__, e) from e
@@ -483,6 +481,7 @@ class Executor:
             ch.items.append(Envelope(item, origin))
         st.emitted[port] = st.emitted.get(port, 0) + 1
         key = f"{name}.{port}"
+        now = time.perf_counter()  # when the item was actually handed over (after any backpressure)
         t = now - self.t_start
         pt = self._port_times.setdefault(key, {"items": 0, "first_s": t, "last_s": t})
         pt["items"] += 1

@@ -35,6 +35,7 @@ class Resource:
     device: str = "cpu"
     priority: int = 0
     note: str = ""
+    fallback_from: str | None = None  # the CUDA device a stream asked for, when it runs on CPU
 
     @property
     def is_gpu(self) -> bool:
@@ -96,7 +97,7 @@ def load_resources(cfg: Any, n_cuda: int | None = None) -> tuple[dict[str, Resou
         else:
             fallen.append(f"{name} ({device})")
             out[name] = Resource(name, "thread", 1, "auto", device="cpu", priority=int(stream.get("priority", 0)),
-                                 note=f"no {device}: CPU worker")
+                                 note=f"no {device}: CPU worker", fallback_from=device)
     if problems:
         raise ConfigError(problems)
     if fallen and not strict and not _fallback_logged:
@@ -105,14 +106,14 @@ def load_resources(cfg: Any, n_cuda: int | None = None) -> tuple[dict[str, Resou
     return out, cores, strict
 
 
-def strict_gpu_problems(placements: Mapping[str, str], resources: Mapping[str, Resource], raw_cfg: Any) -> list[str]:
+def strict_gpu_problems(placements: Mapping[str, str], resources: Mapping[str, Resource]) -> list[str]:
     """Nodes placed on a fallen-back GPU stream while resources.strict=true."""
     problems = []
     for node, res_name in placements.items():
         res = resources.get(res_name)
-        if res is not None and res.note.startswith("no "):
+        if res is not None and res.fallback_from:
             problems.append(
-                f"node '{node}' is on GPU stream '{res_name}' ({res.note.split(':')[0][3:]}) but this machine has "
+                f"node '{node}' is on GPU stream '{res_name}' ({res.fallback_from}) but this machine has "
                 f"no such CUDA device and resources.strict=true. Fix: resources=cpu, or resources.strict=false to "
                 "run GPU streams as CPU workers."
             )

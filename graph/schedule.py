@@ -119,7 +119,7 @@ def compile_plan(
                 f"Fix: graph.nodes.{name}.on=<a CPU pool: {', '.join(cpu_pools) or 'declare one'}>"
             )
     if strict:
-        problems += strict_gpu_problems(placements, resources, None)
+        problems += strict_gpu_problems(placements, resources)
     if problems:
         raise ConfigError(problems)
 

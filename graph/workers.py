@@ -52,7 +52,20 @@ def _device(name: str):
     return torch.device(name)
 
 
+def build_stage(cfg: dict) -> Any:
+    """Instantiate a stage from its `_target_` block, raising the constructor's own error."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(cfg, _convert_="all")
+    except InstantiationException as e:
+        raise (e.__cause__ or e) from None
+
+
 def _run_phase(stage: Any, job: Job, ctx: StageContext) -> Any:
+    if stage is None:  # never built (its construction failed): nothing to set up or close
+        return None
     if job.phase == "setup":
         return stage.setup(ctx)
     if job.phase == "call":
@@ -100,7 +113,7 @@ class Worker:
 
     def execute(self, job: Job) -> Any:
         ctx = StageContext(job.node, job.item, _device(self.device), job.request, job.emit, job.end, job.cancelled)
-        return _run_phase(self.stages[job.node], job, ctx)
+        return _run_phase(self.stages.get(job.node), job, ctx)
 
     def stop(self, timeout: float) -> bool:
         """Ask the worker to exit; True if it did within `timeout`."""
@@ -187,7 +200,6 @@ def _child_main(conn, torch_threads: int, device: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C and shuts us down
     _die_with_parent()
     import torch
-    from hydra.utils import instantiate
 
     torch.set_num_threads(torch_threads)
     stages: dict[str, Any] = {}
@@ -216,10 +228,11 @@ def _child_main(conn, torch_threads: int, device: str) -> None:
         cancelled = False
         try:
             if phase == "setup":
-                stages[node] = instantiate(stage_cfg, _convert_="all")
+                stages[node] = None
+                stages[node] = build_stage(stage_cfg)
             job = Job(node, phase, item, kwargs, request, on_done=None)  # type: ignore[arg-type]
             ctx = StageContext(node, item, torch.device(device), request, emit, end, lambda: cancelled)
-            result = _run_phase(stages[node], job, ctx)
+            result = _run_phase(stages.get(node), job, ctx)
             _send(conn, ("done", result))
         except BaseException as e:
             _send(conn, ("error", type(e).__name__, str(e), traceback.format_exc()))

@@ -25,7 +25,10 @@ def busy_work(mat: torch.Tensor, iters: int) -> torch.Tensor:
 
 
 class _Busy(Stage):
-    """Holds the work matrix; `iters` products of `size`² per unit of work."""
+    """Holds the work matrix; `iters` products of `size`² per unit of work, on the stage's device
+    (placement gpu: it may sit on a CUDA stream, and runs on CPU anywhere else)."""
+
+    placement = "gpu"
 
     def __init__(self, size: int = 192, iters: int = 8, fail_at: int | None = None, seed: int = 0):
         if size < 1 or iters < 0:

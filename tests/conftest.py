@@ -1,0 +1,15 @@
+import logging
+import threading
+
+import multiprocessing
+import pytest
+
+
+@pytest.fixture
+def no_leftovers():
+    """Fails the test if it leaves reelflow threads or child processes behind."""
+    yield
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("reelflow-") and t.is_alive()]
+    children = multiprocessing.active_children()
+    assert not threads, f"threads left behind: {threads}"
+    assert not children, f"processes left behind: {children}"

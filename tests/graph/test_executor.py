@@ -1,0 +1,227 @@
+"""The executor: streaming, backpressure, taps, the feedback loop, failures and clean-up."""
+
+import multiprocessing
+import threading
+import time
+
+import pytest
+
+from graph.executor import Executor, StageFailed
+from stages.types import Request
+from tests.helpers import make, node
+
+P = "stages.synthetic"
+H = "tests.helpers"
+
+
+def run_once(nodes, **kw):
+    spec, plan = make(nodes, **kw)
+    with Executor(spec, plan, progress=False) as ex:
+        return ex.run(Request()), plan
+
+
+def calls_of(result, name):
+    return [c for c in result.calls if c.node == name and c.phase == "call"]
+
+
+def loop_nodes(prime, rounds=12, on_draft="draft", iters=2):
+    return {
+        "src": node(f"{P}.Producer", items=3, iters=iters, size=64),
+        "sink": node(f"{P}.Consumer", "target", {"item": "src.item"}, iters=iters, size=64),
+        "query": node(f"{P}.LayeredForward", "target", {"state": "sink.summary"}, layers=4, tap_layer=1, iters=iters, size=64),
+        "reader": node(f"{P}.TapReader", on_draft, {"hidden": "query.hidden"}, iters=iters, size=64),
+        "propose": node(f"{P}.Proposer", on_draft, {
+            "selection": "reader.selection", "first": "query.first",
+            "verdict": {"from": "check.verdict", "feedback": True, "prime": prime}}, iters=iters, size=128),
+        "check": node(f"{P}.Checker", "target", {"proposal": "propose.proposal"}, rounds=rounds, iters=4 * iters, size=128),
+    }
+
+
+def test_streaming_consumer_starts_on_the_first_item(no_leftovers):
+    nodes = {"src": node(f"{P}.Producer", items=8, iters=6, size=128),
+             "sink": node(f"{P}.Consumer", "target", {"item": "src.item"}, iters=6, size=128)}
+    result, _ = run_once(nodes)
+    producer = calls_of(result, "src")[0]
+    consumer = calls_of(result, "sink")
+    assert len(consumer) == 8
+    assert consumer[0].t0 < producer.t1, "the consumer waited for the whole stream"
+    assert result.outputs["sink.summary"].index == 8
+
+
+def test_backpressure_bounds_how_far_the_producer_runs_ahead(no_leftovers):
+    nodes = {"src": node(f"{P}.Producer", items=12, iters=0, size=8),
+             "sink": node(f"{H}.SlowSink", "target", {"item": "src.item"}, delay=0.01)}
+    result, _ = run_once(nodes, capacity=1)
+    producer = calls_of(result, "src")[0]
+    sink_starts = [c.t0 for c in calls_of(result, "sink")]
+    emits = [t for _, t, _ in producer.emits]
+    # with capacity 1, item k can only be put once the consumer has taken item k-1,
+    # i.e. once its call on item k-2 has finished and call k-1 started
+    for k in range(2, len(emits)):
+        assert emits[k] >= sink_starts[k - 1] - 1e-4, f"item {k} emitted before the consumer took item {k - 1}"
+    assert producer.blocked > 0.05  # it really waited, and waiting is not counted as busy
+    assert producer.busy < producer.t1 - producer.t0 - 0.05
+    assert result.outputs["sink.count"] == 12
+
+
+def test_tap_is_consumed_while_its_producer_goes_on(no_leftovers):
+    result, _ = run_once(loop_nodes(prime=1, iters=6))
+    query = calls_of(result, "query")[0]
+    reader = calls_of(result, "reader")[0]
+    tap_time = next(t for port, t, _ in query.emits if port == "hidden")
+    assert tap_time < query.t1
+    assert reader.t0 < query.t1, "the tap's consumer waited for the producer to return"
+    assert [d[0] for d in reader.deps] == [query.id]
+
+
+@pytest.mark.parametrize("prime", [1, 2])
+def test_feedback_loop_runs_its_rounds_and_ends(prime, no_leftovers):
+    result, _ = run_once(loop_nodes(prime, rounds=12))
+    tokens = result.outputs["check.tokens"]
+    assert tokens.meta["rounds"] == 12
+    assert len(calls_of(result, "propose")) >= 12
+
+
+def test_draft_one_round_ahead_gives_the_same_tokens_and_overlaps():
+    sequential, _ = run_once(loop_nodes(prime=1, rounds=20, iters=4))
+    ahead, _ = run_once(loop_nodes(prime=2, rounds=20, iters=4))
+    inline, _ = run_once(loop_nodes(prime=2, rounds=20, iters=4), runner="sequential")
+    assert sequential.outputs["check.tokens"].ids == ahead.outputs["check.tokens"].ids == inline.outputs["check.tokens"].ids
+
+    def overlaps(result):
+        checks = calls_of(result, "check")
+        return sum(1 for p in calls_of(result, "propose") for c in checks if p.t0 < c.t1 and c.t0 < p.t1)
+
+    assert overlaps(sequential) == 0  # prime 1: draft, then verify
+    assert overlaps(ahead) >= 5       # prime 2: drafting while verifying
+
+
+def test_two_resources_really_run_at_once():
+    """Two matmul-bound stages on two thread workers overlap in time (torch releases the GIL)."""
+    nodes = {"src": node(f"{P}.Producer", items=6, iters=20, size=256),
+             "sink": node(f"{P}.Consumer", "target", {"item": "src.item"}, iters=20, size=256)}
+    result, _ = run_once(nodes)
+    producer = calls_of(result, "src")[0]
+    busy_in_producer = sum(min(c.t1, producer.t1) - max(c.t0, producer.t0)
+                           for c in calls_of(result, "sink") if c.t0 < producer.t1)
+    assert busy_in_producer > 0.3 * (producer.t1 - producer.t0)
+
+
+def test_torch_threads_follow_the_plan():
+    nodes = {"a": node(f"{H}.ThreadProbe", "cpu"), "b": node(f"{H}.ThreadProbe", "target"),
+             "c": node(f"{H}.ThreadProbe", "decode")}
+    result, plan = run_once(nodes)
+    for name, res in [("a", "cpu"), ("b", "target"), ("c", "decode")]:
+        assert result.outputs[f"{name}.info"]["torch_threads"] == plan.resource(res).torch_threads
+    assert result.outputs["c.info"]["pid"] != result.outputs["a.info"]["pid"]  # a real worker process
+
+
+def test_sequential_runner_gives_the_same_outputs_without_overlap():
+    nodes = {"src": node(f"{P}.Producer", items=5, iters=4, size=64),
+             "sink": node(f"{P}.Consumer", "target", {"item": "src.item"}, iters=4, size=64)}
+    result, plan = run_once(nodes, runner="sequential")
+    assert result.outputs["sink.summary"].index == 5
+    spans = sorted((c.t0, c.t1) for c in result.calls)
+    assert all(a[1] <= b[0] + 1e-6 for a, b in zip(spans, spans[1:])), "calls overlapped in the sequential runner"
+
+
+def test_executor_runs_many_requests_after_one_setup():
+    spec, plan = make(loop_nodes(prime=2, rounds=6))
+    with Executor(spec, plan, progress=False) as ex:
+        first = ex.run(Request(id="a")).outputs["check.tokens"].ids
+        second = ex.run(Request(id="b")).outputs["check.tokens"].ids
+        assert len(ex.setup_calls) == 6
+    assert first == second
+
+
+def test_process_pool_stage_streams_into_a_thread_stage(no_leftovers):
+    nodes = {"src": node(f"{P}.Producer", "decode", items=6, iters=2, size=64),
+             "sink": node(f"{P}.Consumer", "target", {"item": "src.item"}, iters=2, size=64)}
+    result, _ = run_once(nodes)
+    assert result.outputs["sink.summary"].index == 6
+    assert len(calls_of(result, "sink")) == 6
+
+
+# ------------------------------------------------------------------ failures and clean-up
+
+
+@pytest.mark.parametrize("where", ["target", "decode"])
+def test_failure_names_node_and_item_and_cleans_up(where, no_leftovers):
+    nodes = {"src": node(f"{P}.Producer", items=50, iters=1, size=64),
+             "sink": node(f"{P}.Consumer", where, {"item": "src.item"}, iters=1, size=64, fail_at=3)}
+    spec, plan = make(nodes)
+    ex = Executor(spec, plan, progress=False)
+    with pytest.raises(StageFailed) as e:
+        with ex:
+            ex.run(Request())
+    assert e.value.node == "sink" and e.value.item == 3
+    assert "node 'sink' (Consumer) failed on item 3: RuntimeError" in str(e.value)
+    assert "maybe_fail" in e.value.traceback_text  # the stage's own traceback is kept
+
+
+def test_failure_in_a_streaming_producer_in_a_process(no_leftovers):
+    nodes = {"src": node(f"{P}.Producer", "decode", items=50, iters=1, size=64, fail_at=4),
+             "sink": node(f"{P}.Consumer", "target", {"item": "src.item"}, iters=1, size=64)}
+    spec, plan = make(nodes)
+    with pytest.raises(StageFailed, match=r"node 'src' \(Producer\) failed on item 0 \(after emitting 4 items\)"):
+        with Executor(spec, plan, progress=False) as ex:
+            ex.run(Request())
+
+
+def test_a_worker_process_that_dies(no_leftovers):
+    nodes = {"src": node(f"{P}.Producer", items=10, iters=0, size=8),
+             "crash": node(f"{H}.Crash", "decode", {"item": "src.item"}, at=2)}
+    spec, plan = make(nodes)
+    with pytest.raises(StageFailed, match=r"node 'crash' \(Crash\) failed on item 2: WorkerDied: .*exit code 3"):
+        with Executor(spec, plan, progress=False) as ex:
+            ex.run(Request())
+
+
+def test_failure_cancels_a_producer_blocked_on_backpressure(no_leftovers):
+    nodes = {"src": node(f"{H}.Forever", "cpu"),
+             "sink": node(f"{H}.SlowSink", "target", {"item": "src.item"}, delay=0.01, fail_at=5)}
+    spec, plan = make(nodes, capacity=1)
+    t = time.perf_counter()
+    with pytest.raises(StageFailed, match="node 'sink'"):
+        with Executor(spec, plan, progress=False) as ex:
+            ex.run(Request())
+    assert time.perf_counter() - t < 5
+
+
+def test_missing_output_is_an_error_not_a_hang(no_leftovers):
+    nodes = {"a": node(f"{H}.Silent"), "b": node(f"{H}.NeedsPayload", "target", {"value": "a.value"})}
+    spec, plan = make(nodes)
+    with pytest.raises(StageFailed, match="input 'value' never arrived: a finished without emitting 'value'"):
+        with Executor(spec, plan, progress=False) as ex:
+            ex.run(Request())
+
+
+def test_emit_to_an_undeclared_port(no_leftovers):
+    spec, plan = make({"a": node(f"{H}.Rogue")})
+    with pytest.raises(StageFailed, match="emitted to 'other', which its stage does not declare"):
+        with Executor(spec, plan, progress=False) as ex:
+            ex.run(Request())
+
+
+def test_setup_failure_is_reported_and_cleaned_up(no_leftovers):
+    spec, plan = make({"a": node(f"{P}.Producer", "decode", items=0)})  # __init__ raises in the child
+    with pytest.raises(StageFailed, match=r"node 'a' \(Producer\) failed on setup: ValueError: items must be"):
+        with Executor(spec, plan, progress=False) as ex:
+            ex.run(Request())
+
+
+def test_keyboard_interrupt_cancels_and_cleans_up(no_leftovers):
+    """Ctrl-C lands in the main thread's wait; the run is cancelled and everything stops."""
+    nodes = {"src": node(f"{H}.Forever", "decode"),
+             "sink": node(f"{H}.SlowSink", "target", {"item": "src.item"}, delay=0.001)}
+    spec, plan = make(nodes)
+    ex = Executor(spec, plan, progress=False)
+    ex.setup()
+    timer = threading.Timer(0.5, lambda: __import__("_thread").interrupt_main())
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            ex.run(Request())
+        finally:
+            ex.close()
+    assert not multiprocessing.active_children()

@@ -1,0 +1,236 @@
+"""graph.report: report.md / report.csv / report.png from a hand-built multirun dir, and its CLI."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from graph.report import write_report
+
+REPO = Path(__file__).resolve().parents[2]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make_job(sweep: Path, name: str, overrides: list[str], metrics: dict | None = None,
+             report: dict | None = None, error: str | None = None) -> Path:
+    job = sweep / name
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    cfg = {"experiment": "bench", "executor": {"runner": "threaded", "capacity": 2}}
+    if report is not None:
+        cfg["report"] = report
+    (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    if metrics is not None:
+        (job / "metrics.json").write_text(json.dumps(metrics))
+    if error is not None:
+        (job / "error.txt").write_text(error)
+    return job
+
+
+def metrics(wall: float, ttft: float | None = 0.1) -> dict:
+    return {"wall_s": wall, "ttft_s": ttft, "decode_s": None if ttft is None else wall - ttft,
+            "ideal_wall_s": wall / 2, "efficiency": 0.5, "n_calls": 12,
+            "output_ids": [1, 2, 3],                                   # lists are not scalars: left out
+            "stages": {"decode": {"busy_s": 0.25, "calls": 4, "resource": "decode"}}}
+
+
+JOBS = [  # (overrides, wall_s or None for a failed job)
+    (["graph=demo", "executor.runner=sequential", "executor.capacity=2"], 2.0),
+    (["graph=demo", "executor.runner=threaded", "executor.capacity=2"], 1.0),
+    (["graph=big", "executor.runner=sequential", "executor.capacity=2"], 6.0),
+    (["graph=big", "executor.runner=threaded", "executor.capacity=2"], None),
+    (["graph=big", "executor.runner=process", "executor.capacity=2"], 4.0),
+]
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    """Five jobs, one failed; the report block asks for a baseline (speedup) and a hued plot."""
+    d = tmp_path / "10-00-00_bench_engine"
+    d.mkdir()
+    (d / "multirun.yaml").write_text("hydra: {}\n")  # Hydra leaves this beside the job dirs
+    report = {"baseline": {"executor.runner": "sequential"},
+              "plots": [{"x": "executor.runner", "y": "wall_s", "hue": "graph", "title": "wall"},
+                        {"x": "executor.runner", "y": ["wall_s", "ideal_wall_s"], "where": {"graph": "big"},
+                         "kind": "line"}]}
+    for i, (ov, wall) in enumerate(JOBS):
+        if wall is None:
+            make_job(d, str(i), ov, report=report,
+                     error="RuntimeError: stage llm failed on item 3\nTraceback (most recent call last):\n  ...\n")
+        else:
+            make_job(d, str(i), ov, metrics(wall), report=report)
+    return d
+
+
+def md_table(md: str) -> tuple[list[str], list[list[str]]]:
+    lines = [l for l in md.splitlines() if l.startswith("|")]
+    assert len(lines) >= 2, md
+    cells = lambda l: [c.strip() for c in l.strip().strip("|").split("|")]
+    header = cells(lines[0])
+    assert set(lines[1].replace("|", "").replace(":", "")) <= {"-"}, "second line must be the separator"
+    assert lines[1].count("|") == len(header) + 1
+    rows = [cells(l) for l in lines[2:]]
+    assert all(len(r) == len(header) for r in rows), md
+    return header, rows
+
+
+def test_writes_three_files(sweep):
+    out = write_report(sweep)
+    assert {k: Path(v) for k, v in out.items()} == {"md": sweep / "report.md", "csv": sweep / "report.csv",
+                                                    "png": sweep / "report.png"}
+    for p in out.values():
+        assert Path(p).is_file() and Path(p).stat().st_size > 0
+    assert (sweep / "report.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_markdown_table_has_swept_keys_and_one_row_per_job(sweep):
+    write_report(sweep)
+    md = (sweep / "report.md").read_text()
+    assert "5 jobs" in md
+    header, rows = md_table(md)
+    assert header[:2] == ["graph", "executor.runner"]                  # the swept keys, in override order
+    assert "executor.capacity" not in header                           # the same in every job: not swept
+    assert "job" not in header[:2]
+    for m in ("wall_s", "ttft_s", "decode_s", "ideal_wall_s", "efficiency"):
+        assert m in header
+    assert header[-2:] == ["speedup", "status"]
+    assert len(rows) == len(JOBS)
+    col = {h: i for i, h in enumerate(header)}
+    for (ov, wall), row in zip(JOBS, rows):                            # job order: 0, 1, 2, ...
+        values = dict(o.split("=") for o in ov)
+        assert row[col["graph"]] == values["graph"]
+        assert row[col["executor.runner"]] == values["executor.runner"]
+        if wall is None:
+            assert row[col["status"]].startswith("failed")
+            assert "RuntimeError: stage llm failed on item 3" in row[col["status"]]
+            assert row[col["wall_s"]] == "" and row[col["speedup"]] == ""
+        else:
+            assert row[col["status"]] == "ok"
+            assert float(row[col["wall_s"]]) == pytest.approx(wall)
+
+
+def test_speedup_is_baseline_wall_over_wall_matched_on_other_swept_keys(sweep):
+    write_report(sweep)
+    header, rows = md_table((sweep / "report.md").read_text())
+    col = {h: i for i, h in enumerate(header)}
+    speedup = [r[col["speedup"]] for r in rows]
+    # demo: 2.0/2.0, 2.0/1.0; big: 6.0/6.0, failed, 6.0/4.0
+    assert [float(s) if s else None for s in speedup] == [1.0, 2.0, 1.0, None, 1.5]
+
+
+def test_csv_has_every_scalar_and_one_row_per_job(sweep):
+    write_report(sweep)
+    with (sweep / "report.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["job"] for r in rows] == ["0", "1", "2", "3", "4"]
+    assert [r["executor.runner"] for r in rows] == ["sequential", "threaded", "sequential", "threaded", "process"]
+    assert [r["graph"] for r in rows] == ["demo", "demo", "big", "big", "big"]
+    assert all(r["executor.capacity"] == "2" for r in rows)           # constant overrides still in the csv
+    assert [float(r["wall_s"]) if r["wall_s"] else None for r in rows] == [2.0, 1.0, 6.0, None, 4.0]
+    assert [float(r["speedup"]) if r["speedup"] else None for r in rows] == [1.0, 2.0, 1.0, None, 1.5]
+    assert rows[0]["stages.decode.busy_s"] == "0.25"                   # nested metrics are flattened
+    assert rows[0]["stages.decode.resource"] == "decode"
+    assert "output_ids" not in rows[0]
+    assert rows[0]["status"] == "ok"
+    assert rows[3]["status"].startswith("failed: RuntimeError")
+
+
+def test_default_report_without_a_report_block(tmp_path):
+    d = tmp_path / "sweep"
+    make_job(d, "0", ["executor.runner=sequential", "seed=1"], metrics(2.0, ttft=None))
+    make_job(d, "1", ["executor.runner=threaded", "seed=1"], metrics(0.5, ttft=None))
+    write_report(d)
+    header, rows = md_table((d / "report.md").read_text())
+    # swept keys, then the default metrics that some job has; no speedup and no status when all ok
+    assert header == ["executor.runner", "wall_s", "ideal_wall_s", "efficiency"]
+    assert rows == [["sequential", "2", "1", "0.5"], ["threaded", "0.5", "0.25", "0.5"]]
+    assert (d / "report.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_columns_from_the_report_block(tmp_path):
+    d = tmp_path / "sweep"
+    report = {"columns": ["executor.runner", "wall_s", "n_calls"], "baseline": {"executor.runner": "sequential"}}
+    make_job(d, "0", ["executor.runner=sequential"], metrics(3.0), report=report)
+    make_job(d, "1", ["executor.runner=threaded"], metrics(1.5), report=report)
+    write_report(d)
+    header, rows = md_table((d / "report.md").read_text())
+    assert header == ["executor.runner", "wall_s", "n_calls", "speedup"]
+    assert rows == [["sequential", "3", "12", "1"], ["threaded", "1.5", "12", "2"]]
+
+
+def test_jobs_sort_numerically(tmp_path):
+    d = tmp_path / "sweep"
+    for i in range(12):
+        make_job(d, str(i), [f"seed={i}"], metrics(1.0 + i))
+    write_report(d)
+    header, rows = md_table((d / "report.md").read_text())
+    assert header[0] == "seed"
+    assert [r[0] for r in rows] == [str(i) for i in range(12)]
+
+
+def test_failed_job_without_error_txt(tmp_path):
+    d = tmp_path / "sweep"
+    make_job(d, "0", ["graph=demo"], metrics(1.0))
+    make_job(d, "1", ["graph=big"])
+    write_report(d)
+    header, rows = md_table((d / "report.md").read_text())
+    assert header[-1] == "status"
+    assert rows[0][-1] == "ok"
+    assert rows[1][-1] == "failed: no metrics.json"
+
+
+def test_every_job_failed_still_writes_a_report(tmp_path):
+    d = tmp_path / "sweep"
+    make_job(d, "0", ["graph=demo"], error="ValueError: bad config\n")
+    make_job(d, "1", ["graph=big"], error="ValueError: bad config\n")
+    out = write_report(d)
+    header, rows = md_table(Path(out["md"]).read_text())
+    assert header == ["graph", "status"]
+    assert [r[1] for r in rows] == ["failed: ValueError: bad config"] * 2
+    assert Path(out["png"]).read_bytes()[:8] == PNG_MAGIC
+
+
+def test_not_a_multirun_dir(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        write_report(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError):
+        write_report(tmp_path / "empty")
+
+
+# ---------------------------------------------------------------- CLI
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "graph.report", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_cli_writes_the_report(sweep):
+    res = _cli(str(sweep))
+    assert res.returncode == 0, res.stderr
+    assert "| graph | executor.runner |" in res.stdout
+    assert "report.md" in res.stdout
+    assert (sweep / "report.md").is_file() and (sweep / "report.csv").is_file()
+    assert (sweep / "report.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_cli_missing_dir_exits_2_with_one_line(tmp_path):
+    res = _cli(str(tmp_path / "nope"))
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert "nope" in lines[0] and "Traceback" not in res.stderr
+    assert not (tmp_path / "nope").exists()
+
+
+def test_cli_dir_without_jobs_exits_2(tmp_path):
+    res = _cli(str(tmp_path))
+    assert res.returncode == 2
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "Traceback" not in res.stderr

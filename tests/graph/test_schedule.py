@@ -1,0 +1,100 @@
+"""The compiled plan is plain data; its text form is compared with checked-in snapshots.
+
+Regenerate a snapshot after an intended change with: REELFLOW_UPDATE_SNAPSHOTS=1 pytest tests/graph/test_schedule.py
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from graph.resources import load_resources
+from graph.schedule import compile_plan
+from graph.spec import ConfigError, build_graph
+from tests.helpers import make, node
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+
+
+def plan_for(graph: str, resources: str, n_cuda: int, **kw):
+    res_cfg = OmegaConf.to_container(OmegaConf.load(CONF / "resources" / f"{resources}.yaml"))
+    res_cfg["cores"] = 2  # snapshots must not depend on the machine
+    res, cores, strict = load_resources(res_cfg, n_cuda=n_cuda)
+    spec = build_graph(OmegaConf.load(CONF / "graph" / f"{graph}.yaml"), res)
+    return compile_plan(spec, res, cores, strict=strict, **kw)
+
+
+def check_snapshot(name: str, text: str):
+    path = SNAPSHOTS / f"{name}.txt"
+    if os.environ.get("REELFLOW_UPDATE_SNAPSHOTS"):
+        path.write_text(text)
+    assert path.exists(), f"no snapshot {path}; create it with REELFLOW_UPDATE_SNAPSHOTS=1"
+    assert text == path.read_text(), f"plan differs from {path}; if intended, regenerate (see module docstring)"
+
+
+@pytest.mark.parametrize("graph,resources,n_cuda,runner", [
+    ("demo", "cpu", 0, "threaded"),
+    ("demo", "cpu", 0, "sequential"),
+    ("demo", "gpu", 0, "threaded"),    # no CUDA: streams fall back to CPU workers
+    ("demo", "gpu", 1, "threaded"),
+    ("demo", "gpu2", 2, "threaded"),
+    ("chain", "cpu", 0, "threaded"),
+])
+def test_plan_snapshot(graph, resources, n_cuda, runner):
+    plan = plan_for(graph, resources, n_cuda, runner=runner)
+    check_snapshot(f"{graph}_{resources}_cuda{n_cuda}_{runner}", plan.to_text())
+
+
+def test_plan_is_plain_data():
+    plan = plan_for("demo", "cpu", 0)
+    d = plan.to_dict()
+    assert d["runner"] == "threaded" and d["cores"] == 2
+    assert {r["name"] for r in d["resources"]} == {"cpu", "target", "draft"}  # only the used ones
+    feedback = [c for c in d["channels"] if c["feedback"]]
+    assert feedback == [dict(feedback[0], prime=2, capacity=2)]
+
+
+def test_auto_torch_threads_split_cores_between_concurrent_workers():
+    one = make({"a": node("stages.synthetic.Producer", "target")})[1]
+    assert one.resource("target").torch_threads == 2  # alone on 2 cores: both
+    two = make({"a": node("stages.synthetic.Producer", "cpu"),
+                "b": node("stages.synthetic.Consumer", "target", {"item": "a.item"})})[1]
+    assert two.resource("cpu").torch_threads == 1 and two.resource("target").torch_threads == 1
+    assert not two.warnings
+
+
+def test_gpu_streams_get_devices_and_priorities():
+    plan = plan_for("demo", "gpu", 1)
+    target, draft = plan.resource("target"), plan.resource("draft")
+    assert (target.kind, target.device, draft.device, draft.priority) == ("stream", "cuda:0", "cuda:0", -1)
+
+
+def test_stream_between_nodes_on_one_worker_is_unbounded():
+    _, plan = make({"a": node("stages.synthetic.Producer", "target"),
+                    "b": node("stages.synthetic.Consumer", "target", {"item": "a.item"})})
+    assert plan.channels[0].capacity is None and "cannot overlap" in plan.channels[0].note
+
+
+def test_process_pool_nodes_are_pinned_round_robin():
+    _, plan = make({"a": node("stages.synthetic.Producer", "decode"),
+                    "b": node("stages.synthetic.Consumer", "decode", {"item": "a.item"}),
+                    "c": node("stages.synthetic.LayeredForward", "decode", {"state": "b.summary"})})
+    assert [n.worker for n in plan.nodes] == [0, 1, 0]
+
+
+def test_bad_runner_and_capacity():
+    res, cores, _ = load_resources({"pools": {"cpu": {}}}, n_cuda=0)
+    spec = build_graph({"nodes": {"a": node("stages.synthetic.Producer")}}, res)
+    with pytest.raises(ConfigError, match="unknown runner"):
+        compile_plan(spec, res, cores, runner="parallel")
+    with pytest.raises(ConfigError, match="capacity=0"):
+        compile_plan(spec, res, cores, capacity=0)
+
+
+def test_bad_resources_config():
+    with pytest.raises(ConfigError, match="kind 'fiber'"):
+        load_resources({"pools": {"cpu": {"kind": "fiber"}}})
+    with pytest.raises(ConfigError, match="workers=0"):
+        load_resources({"pools": {"cpu": {"workers": 0}}})

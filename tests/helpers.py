@@ -1,0 +1,114 @@
+"""Shared test helpers: build a validated graph + plan from a dict, and a few probe stages."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from graph.resources import load_resources
+from graph.schedule import compile_plan
+from graph.spec import build_graph
+from graph.stage import In, Out, Stage
+from stages.types import Payload
+
+CPU = {
+    "cores": 2,
+    "pools": {
+        "cpu": {"kind": "thread", "workers": 1, "torch_threads": "auto"},
+        "decode": {"kind": "process", "workers": 2, "torch_threads": 1},
+        "target": {"kind": "thread", "workers": 1, "torch_threads": "auto"},
+        "draft": {"kind": "thread", "workers": 1, "torch_threads": "auto"},
+    },
+}
+
+
+def make(nodes: dict, resources: dict | None = None, runner: str = "threaded", capacity: int = 2, n_cuda: int = 0):
+    res, cores, strict = load_resources(resources or CPU, n_cuda=n_cuda)
+    spec = build_graph({"nodes": nodes}, res)
+    return spec, compile_plan(spec, res, cores, strict=strict, runner=runner, capacity=capacity)
+
+
+def node(target: str, on: str = "cpu", inputs: dict | None = None, **kwargs) -> dict:
+    return {"stage": {"_target_": target, **kwargs}, "on": on, "inputs": inputs or {}}
+
+
+class SlowSink(Stage):
+    """Sleeps `delay` per item (releases the GIL), counting items."""
+
+    inputs = {"item": In(object, stream=True)}
+    outputs = {"count": Out(int)}
+
+    def __init__(self, delay: float = 0.01, fail_at: int | None = None):
+        self.delay, self.n, self.fail_at = delay, 0, fail_at
+
+    def __call__(self, ctx, item):
+        if ctx.item == self.fail_at:
+            raise RuntimeError(f"SlowSink told to fail at item {ctx.item}")
+        time.sleep(self.delay)
+        self.n += 1
+
+    def finish(self, ctx):
+        n, self.n = self.n, 0
+        return {"count": n}
+
+
+class ThreadProbe(Stage):
+    """Reports the torch thread count and process id it runs with."""
+
+    outputs = {"info": Out(dict)}
+
+    def __call__(self, ctx):
+        return {"info": {"torch_threads": torch.get_num_threads(), "pid": os.getpid(), "device": str(ctx.device)}}
+
+
+class Silent(Stage):
+    """Declares an output and never emits it."""
+
+    outputs = {"value": Out(Payload)}
+
+    def __call__(self, ctx):
+        return None
+
+
+class NeedsPayload(Stage):
+    inputs = {"value": In(Payload)}
+
+    def __call__(self, ctx, value):
+        return None
+
+
+class Rogue(Stage):
+    """Emits to a port it does not declare."""
+
+    outputs = {"value": Out(Payload)}
+
+    def __call__(self, ctx):
+        ctx.emit("other", 1)
+
+
+class Crash(Stage):
+    """Kills its own process at item `at` (for process-pool tests)."""
+
+    inputs = {"item": In(object, stream=True)}
+
+    def __init__(self, at: int = 2):
+        self.at = at
+
+    def __call__(self, ctx, item):
+        if ctx.item == self.at:
+            os._exit(3)
+
+
+class Forever(Stage):
+    """Streams items forever until cancelled (for Ctrl-C and cancellation tests)."""
+
+    outputs = {"item": Out(int, stream=True)}
+
+    def __call__(self, ctx):
+        i = 0
+        while True:
+            time.sleep(0.005)
+            ctx.emit("item", i)
+            i += 1
