@@ -53,7 +53,7 @@ def collect(sweep_dir: Path) -> tuple[list[dict], list[str], dict]:
     """Rows (one per job), the swept keys, and the report spec of the first job."""
     rows, spec = [], {}
     jobs = sorted((p for p in sweep_dir.iterdir() if p.is_dir() and (p / ".hydra").is_dir()),
-                  key=lambda p: int(p.name) if p.name.isdigit() else p.name)
+                  key=lambda p: (0, int(p.name), "") if p.name.isdigit() else (1, 0, p.name))
     for job in jobs:
         overrides = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) or []
         row: dict[str, Any] = {"job": job.name, "_overrides": []}
@@ -64,13 +64,15 @@ def collect(sweep_dir: Path) -> tuple[list[dict], list[str], dict]:
         if not spec:
             cfg = yaml.safe_load((job / ".hydra" / "config.yaml").read_text()) or {}
             spec = cfg.get("report") or {}
-        metrics_file = job / "metrics.json"
-        if metrics_file.is_file():
+        metrics_file, err = job / "metrics.json", job / "error.txt"
+        try:
             row.update(_flatten(json.loads(metrics_file.read_text())))
             row["status"] = "ok"
-        else:
-            err = job / "error.txt"
-            row["status"] = "failed: " + (err.read_text().splitlines()[0][:120] if err.is_file() else "no metrics.json")
+        except FileNotFoundError:
+            first = (err.read_text().splitlines() or ["(empty error.txt)"])[0] if err.is_file() else "no metrics.json"
+            row["status"] = "failed: " + first[:120]
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            row["status"] = f"failed: unreadable metrics.json ({e})"
         rows.append(row)
     override_keys = list(dict.fromkeys(k for r in rows for k in r.pop("_overrides")))
     swept = [k for k in override_keys if len({json.dumps(r.get(k), default=str) for r in rows}) > 1]
@@ -97,7 +99,7 @@ def _fmt(v: Any) -> str:
 def markdown(rows: list[dict], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |")
+        lines.append("| " + " | ".join(_fmt(r.get(c)).replace("|", "\\|").replace("\n", " ") for c in columns) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -151,7 +153,7 @@ def write_report(sweep_dir: str | Path) -> dict[str, Path]:
         raise FileNotFoundError(f"{sweep_dir}: no job dirs (with .hydra/) inside; is it a multirun dir?")
     if spec.get("baseline"):
         add_speedup(rows, swept, spec["baseline"])
-    columns = spec.get("columns") or (swept + [m for m in DEFAULT_METRICS if any(r.get(m) is not None for r in rows)])
+    columns = spec.get("columns") or ((swept or ["job"]) + [m for m in DEFAULT_METRICS if any(r.get(m) is not None for r in rows)])
     if any("speedup" in r for r in rows) and "speedup" not in columns:
         columns = columns + ["speedup"]
     if any(r["status"] != "ok" for r in rows):

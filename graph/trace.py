@@ -11,7 +11,8 @@ from typing import Any
 
 def _rows(calls: list, resources: list[str]) -> list[tuple[str, str]]:
     """(resource, worker) rows in plan order, then worker name order."""
-    seen = sorted({(c.resource, c.worker) for c in calls}, key=lambda rw: (resources.index(rw[0]) if rw[0] in resources else 99, rw[1]))
+    seen = sorted({(c.resource, c.worker) for c in calls},
+                  key=lambda rw: (resources.index(rw[0]) if rw[0] in resources else len(resources), len(rw[1]), rw[1]))
     return seen
 
 

@@ -303,7 +303,7 @@ class ProcessWorker(Worker):
 
     @property
     def alive(self) -> bool:
-        return self.process.is_alive() or self._thread.is_alive()
+        return self.process.is_alive()
 
     def pid(self) -> int | None:
         return self.process.pid

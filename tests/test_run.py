@@ -1,0 +1,133 @@
+"""`python -m run` as a user runs it: every experiment composes and validates, a real run leaves its
+files, a bad config is one readable message, sweeps run with the basic and joblib launchers, and
+Ctrl-C cancels cleanly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from graph.session import prepare
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+SMALL_DEMO = ["graph.nodes.source.stage.items=6", "graph.nodes.check.stage.rounds=8", "executor.warmup=0"]
+
+
+def run(*args, timeout=240, **kw):
+    return subprocess.run([sys.executable, "-m", "run", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, **kw)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes_and_validates(name):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"+experiment={name}"])
+    spec, plan = prepare(cfg)  # the whole validation, no stage is built
+    assert spec.nodes and plan.nodes
+
+
+def test_every_graph_validates_on_every_resources_config():
+    graphs = sorted(p.stem for p in (ROOT / "conf" / "graph").glob("*.yaml"))
+    for resources in ("cpu", "gpu", "gpu2"):
+        for graph in graphs:
+            with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+                cfg = compose("config", overrides=[f"graph={graph}", f"resources={resources}"])
+            prepare(cfg, n_cuda=0)
+            prepare(cfg, n_cuda=2)
+
+
+def test_cfg_job_prints_the_composed_config():
+    out = run("+experiment=demo", "graph.nodes.check.stage.rounds=7", "--cfg", "job")
+    assert out.returncode == 0, out.stderr
+    assert "rounds: 7" in out.stdout and "_target_: stages.synthetic.Checker" in out.stdout
+
+
+def test_demo_run_leaves_every_file(tmp_path):
+    out = run("+experiment=demo", *SMALL_DEMO, f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    for name in (".hydra/config.yaml", "plan.txt", "trace.json", "timeline.png", "metrics.json", "run.log"):
+        assert (tmp_path / name).is_file(), name
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    for key in ("experiment", "model", "video", "output_text", "output_ids", "n_generated", "wall_s", "ttft_s",
+                "decode_s", "stages", "memory", "ideal_wall_s", "efficiency"):
+        assert key in metrics, key
+    assert metrics["experiment"] == "demo" and metrics["stages"]["consume"]["calls"] == 6
+    assert 0 < metrics["ttft_s"] < metrics["wall_s"] and metrics["ideal_wall_s"] <= metrics["wall_s"] * 1.05
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    rows = {e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    assert rows == {"cpu", "target", "draft"}
+    assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("override,expect", [
+    ("graph.nodes.consume.inputs.item=check.tokens", "node 'consume' input 'item' expects Payload but check.tokens gives Tokens"),
+    ("graph.nodes.consume.on=gpu9", "node 'consume': unknown resource 'gpu9'"),
+    ("graph.nodes.consume.stage._target_=stages.synthetic.Consumr", "unknown _target_ 'stages.synthetic.Consumr'"),
+    ("graph.nodes.consume.stage.iters=-1", "iters ≥ 0"),
+])
+def test_bad_config_exits_nonzero_with_one_readable_message(override, expect, tmp_path):
+    out = run("+experiment=demo", override, f"hydra.run.dir={tmp_path}")
+    assert out.returncode != 0
+    assert expect in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_stage_failure_exits_1_and_names_node_and_item(tmp_path):
+    out = run("+experiment=demo", *SMALL_DEMO, "+graph.nodes.consume.stage.fail_at=3", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 1
+    assert "node 'consume' (Consumer) failed on item 3" in out.stderr and "Traceback" not in out.stderr
+    assert "Traceback" in (tmp_path / "error.txt").read_text()
+
+
+@pytest.mark.parametrize("launcher", ["basic", "joblib"])
+def test_sweep_and_report(launcher, tmp_path):
+    out = run("-m", "+experiment=demo", *SMALL_DEMO, f"hydra/launcher={launcher}",
+              "executor.runner=threaded,sequential", f"hydra.sweep.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    for job in ("0", "1"):
+        assert (tmp_path / job / "metrics.json").is_file()
+    table = (tmp_path / "report.md").read_text()
+    assert "| executor.runner |" in table and "| threaded |" in table and "| sequential |" in table
+    assert (tmp_path / "report.csv").is_file() and (tmp_path / "report.png").is_file()
+
+
+def _children(pid: int) -> set[int]:
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.add(int(stat.parent.name))
+    return out
+
+
+def test_ctrl_c_cancels_and_leaves_nothing_behind(tmp_path):
+    shm_before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "run", "+experiment=demo", "graph.nodes.source.on=decode",
+         "graph.nodes.source.stage.items=100000", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    children = set()
+    while time.time() < deadline and not children:  # wait for the decode worker process
+        time.sleep(0.5)
+        children = _children(proc.pid)
+    assert children, "the run never started its worker process"
+    time.sleep(2.0)  # let it run for a while
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    time.sleep(0.5)
+    alive = [p for p in children if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+    assert not alive, f"worker processes left behind: {alive}"
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
