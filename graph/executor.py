@@ -89,12 +89,14 @@ class CallRecord:
     t0: float = 0.0
     t1: float = 0.0
     blocked: float = 0.0                  # seconds spent waiting on full channels inside emit
+    engine: float = 0.0                   # seconds inside the executor's emit (blocked included)
     deps: list = field(default_factory=list)   # origins of the items it consumed
     emits: list = field(default_factory=list)  # (port, t, busy offset)
 
     @property
     def busy(self) -> float:
-        return max(0.0, self.t1 - self.t0 - self.blocked)
+        """The stage's own time: the call's span minus what the executor spent inside it."""
+        return max(0.0, self.t1 - self.t0 - self.engine)
 
 
 @dataclass
@@ -230,14 +232,13 @@ class Executor:
                     rec = CallRecord(len(records), job.node, job.phase, 0, w.name, self._resource_of(job.node))
                     records.append(rec)
                     job.on_done = lambda j, r, e, rec=rec, key=key: done(j, r, e, rec, key)
-                    rec.t0 = time.perf_counter()
+                    job.record = rec
                     outstanding += 1
                     w.submit(job)
 
             def done(job, result, error, rec, key):
                 nonlocal outstanding
                 with self.cv:
-                    rec.t1 = time.perf_counter()
                     outstanding -= 1
                     self._worker_of(rec).busy = False
                     if error is not None:
@@ -399,8 +400,7 @@ class Executor:
                   on_done=lambda j, r, e, rec=rec: self._on_done(rec, r, e),
                   emit=lambda port, x, rec=rec: self._emit(rec, port, x),
                   end=lambda port, rec=rec: self._end(rec.node, port),
-                  cancelled=lambda: self._failure is not None)
-        rec.t0 = time.perf_counter()
+                  cancelled=lambda: self._failure is not None, record=rec)
         if isinstance(worker, InlineWorker):
             self.cv.release()  # the inline job emits, which takes the lock
             try:
@@ -416,10 +416,9 @@ class Executor:
             if error is None and self._failure is None:
                 try:  # returned outputs are emitted before the worker counts as free
                     for port, value in (result or {}).items():
-                        self._emit(rec, port, value, locked=True)
+                        self._emit(rec, port, value, returned=True)
                 except BaseException as e:
                     error = e
-            rec.t1 = time.perf_counter()
             self._worker_of(rec).busy = False
             st = self._state[rec.node]
             st.running = False
@@ -452,10 +451,20 @@ class Executor:
             self._close_port(name, port)
             self.cv.notify_all()
 
-    def _emit(self, rec: CallRecord, port: str, item: Any, locked: bool = False) -> None:
-        if not locked:
+    def _emit(self, rec: CallRecord, port: str, item: Any, returned: bool = False) -> None:
+        """Hand `item` to every consumer of `port`. From inside a call (ctx.emit) the time spent
+        here is the executor's, not the stage's; a call's returned outputs (`returned`, lock held)
+        are published after the call's span ended."""
+        if returned:
+            return self._emit_locked(rec, port, item, offset=rec.busy)
+        t_enter = time.perf_counter()
+        try:
             with self.cv:
-                return self._emit(rec, port, item, locked=True)
+                self._emit_locked(rec, port, item, offset=t_enter - rec.t0 - rec.engine)
+        finally:
+            rec.engine += time.perf_counter() - t_enter
+
+    def _emit_locked(self, rec: CallRecord, port: str, item: Any, offset: float) -> None:
         name = rec.node
         outs = self.spec.nodes[name].out_ports
         if port not in outs:
@@ -469,8 +478,6 @@ class Executor:
                                "(declare Out(..., stream=True))")
         if self._failure is not None:
             raise Cancelled("run cancelled")
-        now = time.perf_counter()
-        offset = now - rec.t0 - rec.blocked
         origin = (rec.id, offset)
         for ch in self._consumers.get((name, port), []):
             if ch.full:

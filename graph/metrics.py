@@ -45,11 +45,14 @@ def ideal_wall_s(calls: list, workers: dict[str, int], pins: dict[str, int | Non
 def stage_stats(calls: Iterable[Any], resources: dict[str, str]) -> dict[str, dict]:
     stats: dict[str, dict] = {}
     for c in calls:
-        s = stats.setdefault(c.node, {"busy_s": 0.0, "calls": 0, "blocked_s": 0.0, "resource": resources[c.node]})
+        s = stats.setdefault(c.node, {"busy_s": 0.0, "calls": 0, "blocked_s": 0.0, "engine_s": 0.0,
+                                      "resource": resources[c.node]})
         s["busy_s"] += c.busy
         s["blocked_s"] += c.blocked
+        s["engine_s"] += c.engine
         s["calls"] += c.phase == "call"
-    return {k: {**v, "busy_s": round(v["busy_s"], 6), "blocked_s": round(v["blocked_s"], 6)} for k, v in stats.items()}
+    rounded = ("busy_s", "blocked_s", "engine_s")
+    return {k: {**v, **{r: round(v[r], 6) for r in rounded}} for k, v in stats.items()}
 
 
 def resource_busy(calls: Iterable[Any]) -> dict[str, float]:

@@ -17,6 +17,7 @@ import pickle
 import queue
 import signal
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -36,6 +37,7 @@ class Job:
     end: Callable[[str], None] | None = None
     cancelled: Callable[[], bool] = lambda: False
     stage_cfg: dict | None = None  # setup of a process-pool stage: how to build it
+    record: Any = None             # gets t0/t1: the worker times the job, not the dispatcher
 
 
 class RemoteError(Exception):
@@ -105,11 +107,19 @@ class Worker:
             job = self._jobs.get()
             if job is None:
                 return
-            try:
-                result, error = self.execute(job), None
-            except BaseException as e:  # reported to the executor, which cancels the run
-                result, error = None, e
-            job.on_done(job, result, error)
+            self._timed(job)
+
+    def _timed(self, job: Job) -> None:
+        rec = job.record
+        if rec is not None:
+            rec.t0 = time.perf_counter()
+        try:
+            result, error = self.execute(job), None
+        except BaseException as e:  # reported to the executor, which cancels the run
+            result, error = None, e
+        if rec is not None:
+            rec.t1 = time.perf_counter()
+        job.on_done(job, result, error)
 
     def execute(self, job: Job) -> Any:
         ctx = StageContext(job.node, job.item, _device(self.device), job.request, job.emit, job.end, job.cancelled)
@@ -161,11 +171,7 @@ class InlineWorker(Worker):
         pass
 
     def submit(self, job: Job) -> None:
-        try:
-            result, error = self.execute(job), None
-        except BaseException as e:
-            result, error = None, e
-        job.on_done(job, result, error)
+        self._timed(job)
 
     def stop(self, timeout: float) -> bool:
         return True

@@ -53,12 +53,12 @@ def test_backpressure_bounds_how_far_the_producer_runs_ahead(no_leftovers):
              "sink": node(f"{H}.SlowSink", "target", {"item": "src.item"}, delay=0.01)}
     result, _ = run_once(nodes, capacity=1)
     producer = calls_of(result, "src")[0]
-    sink_starts = [c.t0 for c in calls_of(result, "sink")]
+    sink_ends = [c.t1 for c in calls_of(result, "sink")]
     emits = [t for _, t, _ in producer.emits]
-    # with capacity 1, item k can only be put once the consumer has taken item k-1,
-    # i.e. once its call on item k-2 has finished and call k-1 started
+    # with capacity 1, item k can only be put once the consumer has taken item k-1 off the
+    # channel, which it does only after its call on item k-2 has ended
     for k in range(2, len(emits)):
-        assert emits[k] >= sink_starts[k - 1] - 1e-4, f"item {k} emitted before the consumer took item {k - 1}"
+        assert emits[k] >= sink_ends[k - 2], f"item {k} was put before the consumer finished item {k - 2}"
     assert producer.blocked > 0.05  # it really waited, and waiting is not counted as busy
     assert producer.busy < producer.t1 - producer.t0 - 0.05
     assert result.outputs["sink.count"] == 12

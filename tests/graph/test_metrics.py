@@ -19,7 +19,7 @@ class Recorder:
     def add(self, node: str, resource: str, t0: float, busy: float, *, deps=(), blocked: float = 0.0,
             phase: str = "call", item: int = 0, worker: str | None = None, emits=()) -> CallRecord:
         rec = CallRecord(len(self.calls), node, phase, item, worker or resource, resource, t0=t0,
-                         t1=t0 + busy + blocked, blocked=blocked, deps=list(deps), emits=list(emits))
+                         t1=t0 + busy + blocked, blocked=blocked, engine=blocked, deps=list(deps), emits=list(emits))
         self.calls.append(rec)
         return rec
 
@@ -261,9 +261,9 @@ def test_stage_stats_excludes_blocked_and_counts_only_calls():
     stats = stage_stats(r.calls, {"decode": "cpu", "prefill": "gpu"})
     assert set(stats) == {"decode", "prefill"}
     assert stats["decode"] == {"busy_s": pytest.approx(0.625), "calls": 2, "blocked_s": pytest.approx(0.5),
-                               "resource": "cpu"}
+                               "engine_s": pytest.approx(0.5), "resource": "cpu"}
     assert stats["prefill"] == {"busy_s": pytest.approx(1.0625), "calls": 1, "blocked_s": pytest.approx(0.125),
-                                "resource": "gpu"}
+                                "engine_s": pytest.approx(0.125), "resource": "gpu"}
     assert isinstance(stats["decode"]["calls"], int)
 
 
@@ -291,7 +291,7 @@ def test_resource_busy_sums_busy_per_resource():
 
 
 def test_busy_is_never_negative():
-    rec = CallRecord(0, "a", "call", 0, "cpu", "cpu", t0=1.0, t1=1.5, blocked=0.7)
+    rec = CallRecord(0, "a", "call", 0, "cpu", "cpu", t0=1.0, t1=1.5, blocked=0.7, engine=0.7)
     assert rec.busy == 0.0
     assert resource_busy([rec]) == {"cpu": 0.0}
     assert ideal_wall_s([rec], {"cpu": 1}, NO_PINS) == 0.0

@@ -17,7 +17,7 @@ TAPS = {("llm", "draft")}
 
 def _calls() -> list[CallRecord]:
     def rec(i, node, resource, worker, t0, t1, phase="call", item=0, blocked=0.0, emits=(), deps=()):
-        return CallRecord(i, node, phase, item, worker, resource, t0=T0 + t0, t1=T0 + t1, blocked=blocked,
+        return CallRecord(i, node, phase, item, worker, resource, t0=T0 + t0, t1=T0 + t1, blocked=blocked, engine=blocked,
                           deps=list(deps), emits=[(p, T0 + t, off) for p, t, off in emits])
 
     return [
@@ -166,6 +166,6 @@ def test_plot_timeline_writes_a_png(tmp_path):
 
 def test_plot_timeline_without_taps_and_one_row(tmp_path):
     path = tmp_path / "timeline.png"
-    calls = [CallRecord(0, "a", "call", 0, "cpu", "cpu", t0=T0, t1=T0 + 0.5, blocked=0.4)]
+    calls = [CallRecord(0, "a", "call", 0, "cpu", "cpu", t0=T0, t1=T0 + 0.5, blocked=0.4, engine=0.4)]
     plot_timeline(path, calls, T0, ["cpu"], set())
     assert path.read_bytes()[:8] == PNG_MAGIC
