@@ -48,7 +48,13 @@ def run_metrics(result: RunResult, spec: GraphSpec, plan: Plan, first_token: str
     n_calls = len(calls)
     ttft = result.port_times.get(first_token, {}).get("first_s") if first_token else None
     tokens = next((v for v in result.outputs.values() if hasattr(v, "ids")), None)
+    reported: dict[str, Any] = {}
+    for value in result.outputs.values():  # sink items may describe themselves (VideoInfo, ...)
+        for v in value if isinstance(value, list) else [value]:
+            if callable(getattr(v, "metrics", None)):
+                reported.update(v.metrics())
     return {
+        **reported,
         "request": getattr(result.request, "id", None),
         "output_text": getattr(tokens, "text", None),
         "output_ids": list(tokens.ids) if tokens is not None else None,
@@ -105,7 +111,7 @@ def run_job(cfg: DictConfig, requests: list[Any], run_dir: Path) -> dict[str, An
     metrics: dict[str, Any] = {
         "experiment": cfg.get("experiment"),
         "model": {role: _model_name(model.get(role)) for role in ("target", "draft")},
-        "video": None,
+        "video": m0.get("video"),
         "runner": plan.runner,
         "setup_s": round(setup_s, 6),
         "warmup_runs": warmup,

@@ -38,6 +38,28 @@ class FrameGroup:
 
 
 @dataclass(frozen=True)
+class VideoInfo:
+    """What a decoder read: the stream and the selection. `metrics()` feeds metrics.json."""
+
+    path: str
+    duration_s: float
+    fps: float                    # the stream's average frame rate
+    n_frames: int                 # frames in the stream (counted from packets)
+    codec: str
+    width: int
+    height: int
+    selected: int                 # frames returned
+    size: tuple = ()              # (h, w) of the returned frames
+    lost: tuple = ()              # requested timestamps (s) that could not be decoded
+    decoder: str = ""
+
+    def metrics(self) -> dict:
+        return {"video": {"path": self.path, "seconds": round(self.duration_s, 3), "frames": self.selected,
+                          "stream_frames": self.n_frames, "fps": round(self.fps, 3), "codec": self.codec,
+                          "size": list(self.size), "lost": list(self.lost), "decoder": self.decoder}}
+
+
+@dataclass(frozen=True)
 class VisualTokens:
     """Vision-encoder output of one frame group, ready to be placed into the LLM sequence."""
 

@@ -65,7 +65,10 @@ def test_backpressure_bounds_how_far_the_producer_runs_ahead(no_leftovers):
 
 
 def test_tap_is_consumed_while_its_producer_goes_on(no_leftovers):
-    result, _ = run_once(loop_nodes(prime=1, iters=6))
+    nodes = loop_nodes(prime=1, rounds=2)
+    # plenty of work after the tap (7 of 8 layers), so the reader has time to start meanwhile
+    nodes["query"]["stage"].update(layers=8, tap_layer=1, iters=20, size=192)
+    result, _ = run_once(nodes)
     query = calls_of(result, "query")[0]
     reader = calls_of(result, "reader")[0]
     tap_time = next(t for port, t, _ in query.emits if port == "hidden")

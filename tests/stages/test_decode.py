@@ -1,0 +1,226 @@
+"""Decoding: QuickCodec is byte-identical to PyAV's sequential decode on every kind of video;
+streaming equals one-shot; bad input is a clear error with nothing left behind."""
+
+import _thread
+import os
+import threading
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import torch
+
+from stages.codec import SharedFrames, StreamIndex, VideoError, decode_task, keyframe_intervals, plan_tasks, scan
+from stages.decode import DecoderPool, PyAVDecoder, _Selection, quickcodec_groups, read_video
+from tests.stages.videos import CASES, make_video, read_counter
+
+SELECTIONS = {
+    "every_frame": dict(size=None),
+    "fps5_resized": dict(fps=5, size=(64, 80)),
+    "num_frames7": dict(num_frames=7, size=48),
+    "seconds": dict(seconds=[0.0, 0.51, 1.0, 2.9], size=None),
+}
+
+
+@pytest.fixture(scope="module")
+def videos(tmp_path_factory):
+    root = tmp_path_factory.mktemp("videos")
+    return {case: make_video(case, root / case) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DecoderPool(2) as p:
+        yield p
+
+
+def reference(path, **sel):
+    s = _Selection(str(path), sel.get("fps"), sel.get("seconds"), sel.get("num_frames"), sel.get("size"), 0)
+    frames, lost = PyAVDecoder(fps=None, size=None).decode(s)
+    assert not lost
+    return frames, torch.from_numpy(s.seconds)
+
+
+def quick(path, pool, group_frames=0, intervals=8, **sel):
+    groups = list(quickcodec_groups(str(path), pool, group_frames=group_frames, intervals=intervals, **sel))
+    return torch.cat([g.frames for g in groups]), torch.cat([g.seconds for g in groups]), groups
+
+
+@pytest.mark.parametrize("selection", SELECTIONS)
+@pytest.mark.parametrize("case", CASES)
+def test_quickcodec_is_byte_identical_to_sequential_pyav(case, selection, videos, pool):
+    path = videos[case]["path"]
+    want, want_s = reference(path, **SELECTIONS[selection])
+    got, got_s, _ = quick(path, pool, **SELECTIONS[selection])
+    assert got.dtype == torch.uint8 and got.shape == want.shape
+    assert torch.equal(got_s, want_s)
+    assert torch.equal(got, want), f"{case}/{selection}: frames differ from PyAV's sequential decode"
+
+
+@pytest.mark.parametrize("case", ["h264_bframes_open_gop", "hevc", "vfr", "mpegts_offset"])
+def test_streaming_groups_equal_one_shot(case, videos, pool):
+    path = videos[case]["path"]
+    one, one_s, _ = quick(path, pool, size=None)
+    streamed, streamed_s, groups = quick(path, pool, size=None, group_frames=5, intervals=0)
+    assert torch.equal(one, streamed) and torch.equal(one_s, streamed_s)
+    assert [g.index for g in groups] == list(range(len(groups))) and groups[-1].last
+    assert all(len(g.frames) == 5 for g in groups[:-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_right_frames_come_back(case, videos, pool):
+    """Decoded frames carry their frame number: fps=8 on a 24 fps video picks every third."""
+    facts = videos[case]
+    frames, seconds, _ = quick(facts["path"], pool, fps=8 if case != "vfr" else 2, size=None)
+    if case == "vfr":  # the frame on screen at t: the last one stamped at or before t
+        pts_s = np.asarray(facts["pts_s"]) - facts["pts_s"][0]
+        expect = [int(np.searchsorted(pts_s, t + 1e-6, side="right") - 1) for t in np.arange(len(frames)) / 2]
+    else:
+        expect = list(range(0, facts["n_frames"], 3))
+    got = [read_counter(f.permute(1, 2, 0).numpy()) for f in frames]
+    if case != "rotated":  # the counter sits on the stored (unrotated) picture either way
+        assert got == expect
+    assert seconds[0] == 0.0  # relative to the stream's first pts, whatever it is (10 s in the TS case)
+
+
+def test_selection_by_timestamp_on_offset_and_vfr(videos):
+    ts = scan(videos["mpegts_offset"]["path"])
+    assert float(ts.start_pts * ts.time_base) == pytest.approx(10.0, abs=0.01)
+    vfr = scan(videos["vfr"]["path"])
+    assert vfr.n_frames == videos["vfr"]["n_frames"]  # counted from packets, not the header
+
+
+def test_keyframe_intervals_follow_the_seed():
+    index = StreamIndex("x", 0, Fraction(1, 1000), np.arange(0, 10000, 100), np.array([0, 2000, 2900, 5000, 7600]),
+                        1, 1, "h264")
+    assert keyframe_intervals(index, 4) == [(0, 2900), (2900, 5000), (5000, 7600), (7600, 9901)]
+    assert keyframe_intervals(index, 1) == [(0, 9901)]
+    assert keyframe_intervals(index, 50) == [(0, 2000), (2000, 2900), (2900, 5000), (5000, 7600), (7600, 9901)]
+    tasks = plan_tasks(keyframe_intervals(index, 2), np.array([0, 0, 4900, 5000, 9900]))
+    assert [(t.start, t.targets, t.slots) for t in tasks] == [(0, [0, 4900], [[0, 1], [2]]), (5000, [5000, 9900], [[3], [4]])]
+
+
+def test_sparse_sampling_seeks_instead_of_decoding_everything(videos, tmp_path):
+    path = str(videos["h264_closed_gop"]["path"])  # keyframe every 12 frames
+    index = scan(path)
+    targets = [int(index.pts[i]) for i in (1, 30, 61)]
+    task = plan_tasks([(index.start_pts, int(index.pts[-1]) + 1)], np.array(targets))[0]
+    shape = (3, 3, index.height, index.width)
+    with SharedFrames(shape) as out:
+        dense = decode_task(path, index, task, out.path, shape, seek_frames=10**9)
+        dense_frames = out.array.copy()
+        sparse = decode_task(path, index, task, out.path, shape, seek_frames=4)
+        assert np.array_equal(out.array, dense_frames)
+    assert dense.seeks == 0 and dense.decoded >= 62
+    assert sparse.seeks == 2 and sparse.decoded < 20 and sparse.done == targets
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_missing_file():
+    with pytest.raises(VideoError, match="nope.mp4: no such file"):
+        read_video("/tmp/nope.mp4", fps=1)
+
+
+def test_not_a_video(tmp_path):
+    bad = tmp_path / "notes.mp4"
+    bad.write_text("this is not a video\n" * 100)
+    with pytest.raises(VideoError, match="notes.mp4: not a video file FFmpeg can read"):
+        read_video(bad, fps=1)
+
+
+def test_no_video_stream(tmp_path):
+    path = tmp_path / "audio.m4a"
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("aac", rate=16000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+        frame.sample_rate = 16000
+        for p in s.encode(frame):
+            c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    with pytest.raises(VideoError, match=r"audio.m4a: has no video stream \(streams: audio\)"):
+        read_video(path, fps=1)
+
+
+def test_truncated_file_decodes_what_is_there_and_says_what_was_lost(videos, tmp_path, caplog):
+    src = Path(videos["mkv_h264"]["path"]).read_bytes()
+    cut = tmp_path / "cut.mkv"
+    cut.write_bytes(src[: len(src) * 6 // 10])
+    frames, seconds = read_video(cut, size=None, workers=2)
+    assert 10 < len(frames) < videos["mkv_h264"]["n_frames"]
+    ref_sel = _Selection(str(cut), None, None, None, None, 0)
+    ref, lost = PyAVDecoder(fps=None, size=None).decode(ref_sel)
+    keep = [i for i in range(ref_sel.n) if i not in lost]
+    assert torch.equal(frames, ref[keep])
+
+
+def test_fps_above_the_videos_own(videos):
+    with pytest.raises(VideoError, match=r"fps=60 is above the video's own 24 fps"):
+        read_video(videos["h264_closed_gop"]["path"], fps=60)
+
+
+@pytest.mark.parametrize("size", [0, -4, (0, 10), (10, -1)])
+def test_size_must_be_positive(size, videos):
+    with pytest.raises(VideoError, match="height and width must be positive"):
+        read_video(videos["h264_closed_gop"]["path"], fps=1, size=size)
+
+
+def _reelflow_shm():
+    return {f for f in os.listdir("/dev/shm") if f.startswith("reelflow-")}
+
+
+def test_shared_memory_is_private_and_unlinked():
+    with SharedFrames((2, 3, 4, 4)) as shm:
+        assert os.stat(shm.path).st_mode & 0o777 == 0o600
+        view = torch.from_numpy(shm.array)
+    view.fill_(7)  # the mapping outlives the name
+    assert not Path(shm.path).exists() and int(view.sum()) == 7 * 96
+
+
+@pytest.fixture(scope="module")
+def slow_video(tmp_path_factory):
+    """Big enough that decoding takes a few seconds: room to kill or interrupt mid-decode."""
+    path = tmp_path_factory.mktemp("slow") / "slow.mp4"
+    rng = np.random.default_rng(0)
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("libx264", rate=30)
+        s.width, s.height, s.pix_fmt = 640, 480, "yuv420p"
+        s.options = {"preset": "ultrafast", "x264-params": "keyint=30:scenecut=0"}
+        base = rng.integers(0, 255, (480, 640, 3), dtype=np.uint8)
+        for i in range(600):
+            for p in s.encode(av.VideoFrame.from_ndarray(np.roll(base, 7 * i, axis=1), format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    return path
+
+
+def test_a_decoder_process_that_dies(slow_video):
+    before = _reelflow_shm()
+    pool = DecoderPool(2)
+    pool.warm()
+    pids = pool.pids()
+    killer = threading.Timer(0.5, lambda: [os.kill(p, 9) for p in pids])
+    killer.start()
+    with pytest.raises(VideoError, match="slow.mp4: a decoder process died while decoding"):
+        list(quickcodec_groups(str(slow_video), pool, size=None))
+    pool.shutdown()
+    assert _reelflow_shm() == before
+
+
+def test_ctrl_c_during_decode_leaves_nothing(slow_video):
+    import multiprocessing
+
+    before, children = _reelflow_shm(), set(multiprocessing.active_children())
+    threading.Timer(0.8, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        read_video(slow_video, size=None, workers=2)
+        time.sleep(5)  # (only reached if the decode beat the timer)
+    time.sleep(0.2)
+    assert _reelflow_shm() == before
+    assert set(multiprocessing.active_children()) <= children, "decoder processes left behind"
