@@ -299,7 +299,14 @@ def worker_init() -> None:
     _die_with_parent()
 
 
-def noop(_: int) -> int:
+def warm_worker(hold_s: float) -> int:
+    """Import what decoding needs, then hold the worker a moment so its siblings get the other
+    warm-up tasks (one per worker)."""
+    import time
+
+    import av  # noqa: F401
+
+    time.sleep(hold_s)
     return os.getpid()
 
 

@@ -32,7 +32,7 @@ import torch
 
 from graph.stage import In, Out, Stage
 from stages.codec import (SharedFrames, StreamIndex, TaskResult, VideoError, decode_task, keyframe_intervals,
-                          noop, output_size, plan_tasks, sample_times, scan, select_frames, to_rgb, worker_init)
+                          output_size, plan_tasks, sample_times, scan, select_frames, to_rgb, warm_worker, worker_init)
 from stages.types import FrameGroup, Request, VideoInfo
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,9 @@ class DecoderPool:
     def warm(self) -> None:
         """Start every worker now (imports included), so the first decode is not charged for it."""
         pool = self.get()
-        list(pool.map(noop, range(self.workers * 2)))
+        for hold in (0.2, 0.5, 1.0):  # until every worker has answered once
+            if len(set(pool.map(warm_worker, [hold] * self.workers))) == self.workers:
+                return
 
     def pids(self) -> list[int]:
         return list((self._pool._processes or {}).keys()) if self._pool else []  # noqa: SLF001
@@ -147,7 +149,8 @@ def quickcodec_groups(path: str, pool: DecoderPool, *, fps=None, seconds=None, n
     try:
         executor = pool.get()
         for task in tasks:  # submission order is the order workers take them: earliest first
-            futures[executor.submit(decode_task, path, sel.index, task, shared.path, frames.shape,
+            # plain ints only: a torch.Size here would make every worker import torch (~1 s)
+            futures[executor.submit(decode_task, path, sel.index, task, shared.path, shared.shape,
                                     interpolation, seek_frames)] = task
         filled = np.zeros(sel.n, dtype=bool)
         lost: set[int] = set()

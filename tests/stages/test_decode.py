@@ -272,3 +272,9 @@ def test_reference_decoders_give_the_same_selection(stage, videos):
     assert diff < (0.01 if stage == "PyAVDecoder" else 6.0), f"{stage}: mean abs pixel difference {diff:.2f}"
     frame_ids = [read_counter(f.permute(1, 2, 0).numpy()) for f in got]
     assert frame_ids == list(range(0, 72, 6))
+
+
+def test_decoder_workers_stay_light(videos, pool):
+    """Workers import PyAV and numpy, never torch (a torch import costs each worker ~1 s)."""
+    quick(videos["h264_closed_gop"]["path"], pool, fps=2, size=32)
+    assert pool.get().submit(eval, "'torch' in __import__('sys').modules").result() is False
