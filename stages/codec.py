@@ -349,7 +349,7 @@ def _frames_from(container, vs, keyframe: int | None, result: TaskResult):
 
 
 def decode_task(path: str, index: StreamIndex, task: Task, out_path: str, out_shape: tuple,
-                interpolation: str = "BICUBIC", seek_frames: int = 48, threads: int = 1) -> TaskResult:
+                interpolation: str = "BICUBIC", seek_frames: int = 12, threads: int = 1) -> TaskResult:
     """Runs in a decoder process: decode `task`'s frames into the shared output at `out_path`."""
     import av
 

@@ -133,7 +133,7 @@ def _warn_lost(path: str, sel: _Selection, lost_slots: list[int], errors: list[s
 
 def quickcodec_groups(path: str, pool: DecoderPool, *, fps=None, seconds=None, num_frames=None, size=None,
                       intervals: int = 0, group_frames: int = 0, interpolation: str = "BICUBIC",
-                      seek_frames: int = 48, on_info: Callable[[VideoInfo], None] | None = None) -> Iterator[FrameGroup]:
+                      seek_frames: int = 12, on_info: Callable[[VideoInfo], None] | None = None) -> Iterator[FrameGroup]:
     """QuickCodec (seed Alg. 2 + 3): yields FrameGroups in order, each as soon as it is complete.
 
     intervals: how many keyframe intervals to cut (0: `workers` when not grouping, else enough for
@@ -246,7 +246,7 @@ class QuickCodec(_Decoder):
 
     def __init__(self, fps: float | None = 1.0, seconds: list | None = None, num_frames: int | None = None,
                  size: Any = 448, group_frames: int = 0, workers: int = 2, intervals: int = 0,
-                 interpolation: str = "BICUBIC", seek_frames: int = 48):
+                 interpolation: str = "BICUBIC", seek_frames: int = 12):
         super().__init__(fps, seconds, num_frames, size, group_frames)
         if workers < 1:
             raise ValueError(f"workers must be ≥ 1, got {workers}")
