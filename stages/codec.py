@@ -329,15 +329,23 @@ class TaskResult:
     errors: list[str] = field(default_factory=list)  # decoder errors skipped over
 
 
-def _frames_from(container, vs, keyframe: int | None, result: TaskResult):
+SKIPPABLE_CODECS = ("h264", "hevc")
+
+
+def _frames_from(container, vs, keyframe: int | None, result: TaskResult, wanted: set[int] | None = None):
     """Frames in display order from `keyframe` on (None: from where the container stands);
-    corrupt packets are skipped and noted."""
+    corrupt packets are skipped and noted. With `wanted`, frames no other frame refers to
+    (non-reference B-frames) are not decoded at all unless their pts is wanted: nothing else
+    depends on them, so every wanted frame still decodes exactly as in a full decode."""
     import av
 
     if keyframe is not None:
         container.seek(int(keyframe), stream=vs, backward=True, any_frame=False)  # also flushes the decoder
         result.seeks += 1
+    cc = vs.codec_context
     for packet in container.demux(vs):
+        if wanted is not None:
+            cc.skip_frame = "DEFAULT" if packet.pts is None or packet.pts in wanted else "NONREF"
         try:
             frames = packet.decode()
         except av.error.FFmpegError as e:
@@ -349,7 +357,8 @@ def _frames_from(container, vs, keyframe: int | None, result: TaskResult):
 
 
 def decode_task(path: str, index: StreamIndex, task: Task, out_path: str, out_shape: tuple,
-                interpolation: str = "BICUBIC", seek_frames: int = 12, threads: int = 1) -> TaskResult:
+                interpolation: str = "BICUBIC", seek_frames: int = 12, threads: int = 1,
+                skip_nonref: bool = True) -> TaskResult:
     """Runs in a decoder process: decode `task`'s frames into the shared output at `out_path`."""
     import av
 
@@ -385,7 +394,11 @@ def decode_task(path: str, index: StreamIndex, task: Task, out_path: str, out_sh
             if from_start and not fresh:
                 reopen()                     # a seek to the very start is unreliable in some containers
             fresh = False
-            for frame in _frames_from(container, vs, None if from_start else kf, result):
+            # Only where "non-reference" is a property of each packet's one frame: H.264 and
+            # HEVC. AV1/VP9 packets can carry hidden frames shown later by reference (dav1d
+            # drops frames we need when told to skip), so they decode in full.
+            wanted = set(targets) if skip_nonref and index.codec in SKIPPABLE_CODECS else None
+            for frame in _frames_from(container, vs, None if from_start else kf, result, wanted):
                 result.decoded += 1
                 if frame.pts < floor:
                     continue

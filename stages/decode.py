@@ -133,7 +133,8 @@ def _warn_lost(path: str, sel: _Selection, lost_slots: list[int], errors: list[s
 
 def quickcodec_groups(path: str, pool: DecoderPool, *, fps=None, seconds=None, num_frames=None, size=None,
                       intervals: int = 0, group_frames: int = 0, interpolation: str = "BICUBIC",
-                      seek_frames: int = 12, on_info: Callable[[VideoInfo], None] | None = None) -> Iterator[FrameGroup]:
+                      seek_frames: int = 12, skip_nonref: bool = True,
+                      on_info: Callable[[VideoInfo], None] | None = None) -> Iterator[FrameGroup]:
     """QuickCodec (seed Alg. 2 + 3): yields FrameGroups in order, each as soon as it is complete.
 
     intervals: how many keyframe intervals to cut (0: `workers` when not grouping, else enough for
@@ -151,7 +152,7 @@ def quickcodec_groups(path: str, pool: DecoderPool, *, fps=None, seconds=None, n
         for task in tasks:  # submission order is the order workers take them: earliest first
             # plain ints only: a torch.Size here would make every worker import torch (~1 s)
             futures[executor.submit(decode_task, path, sel.index, task, shared.path, shared.shape,
-                                    interpolation, seek_frames)] = task
+                                    interpolation, seek_frames, 1, skip_nonref)] = task
         filled = np.zeros(sel.n, dtype=bool)
         lost: set[int] = set()
         errors: list[str] = []
@@ -242,16 +243,17 @@ class QuickCodec(_Decoder):
     group_frames > 0 streams: the video is cut into `intervals` (0: auto, ≫ workers) handed out
     earliest first, and each group of `group_frames` frames is emitted once all its frames are in.
     seek_frames: within an interval, seek to the next needed keyframe instead of decoding when
-    more than this many frames lie in between (sparse sampling; see bench_decode's sparse row)."""
+    more than this many frames lie in between (sparse sampling; measured by bench_seek).
+    skip_nonref: do not decode H.264/HEVC frames nothing refers to unless they are selected."""
 
     def __init__(self, fps: float | None = 1.0, seconds: list | None = None, num_frames: int | None = None,
                  size: Any = 448, group_frames: int = 0, workers: int = 2, intervals: int = 0,
-                 interpolation: str = "BICUBIC", seek_frames: int = 12):
+                 interpolation: str = "BICUBIC", seek_frames: int = 12, skip_nonref: bool = True):
         super().__init__(fps, seconds, num_frames, size, group_frames)
         if workers < 1:
             raise ValueError(f"workers must be ≥ 1, got {workers}")
         self.workers, self.intervals = workers, intervals
-        self.interpolation, self.seek_frames = interpolation, seek_frames
+        self.interpolation, self.seek_frames, self.skip_nonref = interpolation, seek_frames, skip_nonref
         self.pool: DecoderPool | None = None
 
     def setup(self, ctx) -> None:
@@ -263,7 +265,8 @@ class QuickCodec(_Decoder):
         for group in quickcodec_groups(self._video(request), self.pool, fps=self.fps, seconds=self.seconds,
                                        num_frames=self.num_frames, size=self.size, intervals=self.intervals,
                                        group_frames=self.group_frames, interpolation=self.interpolation,
-                                       seek_frames=self.seek_frames, on_info=info.append):
+                                       seek_frames=self.seek_frames, skip_nonref=self.skip_nonref,
+                                       on_info=info.append):
             ctx.emit("group", group)
         return {"video": info[0]}
 

@@ -118,6 +118,23 @@ def test_sparse_sampling_seeks_instead_of_decoding_everything(videos, tmp_path):
     assert sparse.seeks == 2 and sparse.decoded < 20 and sparse.done == targets
 
 
+@pytest.mark.parametrize("case", ["h264_bframes_open_gop", "hevc"])
+def test_unselected_nonreference_frames_are_not_decoded(case, videos):
+    path = str(videos[case]["path"])
+    index = scan(path)
+    targets = index.pts[::6]
+    task = plan_tasks([(index.start_pts, int(index.pts[-1]) + 1)], targets)[0]
+    shape = (len(targets), 3, index.height, index.width)
+    with SharedFrames(shape) as out:
+        full = decode_task(path, index, task, out.path, shape, seek_frames=10**9, skip_nonref=False)
+        want = out.array.copy()
+        out.array[:] = 0
+        lean = decode_task(path, index, task, out.path, shape, seek_frames=10**9, skip_nonref=True)
+        assert np.array_equal(out.array, want)
+    assert lean.done == full.done == targets.tolist()
+    assert lean.decoded < full.decoded
+
+
 # ------------------------------------------------------------------ bad input
 
 
@@ -157,6 +174,19 @@ def test_truncated_file_decodes_what_is_there_and_says_what_was_lost(videos, tmp
     ref, lost = PyAVDecoder(fps=None, size=None).decode(ref_sel)
     keep = [i for i in range(ref_sel.n) if i not in lost]
     assert torch.equal(frames, ref[keep])
+
+
+def test_corrupt_middle_decodes_without_hanging(videos, tmp_path):
+    data = bytearray(Path(videos["h264_closed_gop"]["path"]).read_bytes())
+    rng = np.random.default_rng(1)
+    mid = len(data) // 2
+    data[mid:mid + 1500] = rng.integers(0, 256, 1500, dtype=np.uint8).tobytes()
+    bad = tmp_path / "corrupt.mp4"
+    bad.write_bytes(bytes(data))
+    before = _reelflow_shm()
+    frames, seconds = read_video(bad, size=None, workers=2)
+    assert 0 < len(frames) <= videos["h264_closed_gop"]["n_frames"] and len(seconds) == len(frames)
+    assert _reelflow_shm() == before
 
 
 def test_fps_above_the_videos_own(videos):
