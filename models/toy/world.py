@@ -72,7 +72,11 @@ BACKGROUNDS = ("plain", "striped", "checkered")
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}   # (columns, rows)
 
 GRID = 3                      # objects live on a GRID x GRID board of cells, one object a cell
-MAX_ON_SCREEN = 3
+# How likely an object appears / disappears, by how many are on screen (0..3): this keeps two or
+# three there with steady churn, and never more than three ("a few"; appearing has weight 0 there).
+# The other kinds weigh the same whatever the count (see make_world).
+APPEAR_WEIGHT = (1.0, 0.6, 0.35, 0.0)
+DISAPPEAR_WEIGHT = (0.0, 0.08, 0.15, 0.3)
 GAP_S = (2.0, 6.0)            # between events; the shortest gap is what every state is shown for
 END_S = 2.0                   # no event in the last 2 s, so each one's result is on screen at >= 0.5 fps
 MOVE_S = 1.0                  # a move glides for this long (shorter than any gap: moves never overlap)
@@ -170,9 +174,9 @@ def make_world(seed: int, seconds: float) -> World:
         moves = [(obj, d, cell) for obj, o in sorted(objects.items()) for d, cell in _neighbours(o["cell"])
                  if cell not in occupied]
         n = len(objects)
-        weights = {   # indexed by how many objects are on screen: keeps two or three there, with churn
-            "appear": (1.0, 0.6, 0.35, 0.0)[n],
-            "disappear": (0.0, 0.08, 0.15, 0.3)[n],
+        weights = {
+            "appear": APPEAR_WEIGHT[n],
+            "disappear": DISAPPEAR_WEIGHT[n],
             "move": 0.3 if moves else 0.0,
             "recolor": 0.18 if n else 0.0,
             "resize": 0.12 if n else 0.0,
@@ -341,7 +345,9 @@ def _mask(shape: str, d: int) -> np.ndarray:
         angles = -np.pi / 2 + np.arange(10) * np.pi / 5
         radii = np.where(np.arange(10) % 2, 0.45, 1.0)
         inside = _in_polygon(x, y, list(zip(radii * np.cos(angles), radii * np.sin(angles) + 0.08)))
-    return inside.reshape(d, ss, d, ss).mean(axis=(1, 3)).astype(np.float32)[:, :, None]
+    alpha = inside.reshape(d, ss, d, ss).mean(axis=(1, 3)).astype(np.float32)[:, :, None]
+    alpha.setflags(write=False)            # shared by every frame through the cache
+    return alpha
 
 
 def _in_polygon(x: np.ndarray, y: np.ndarray, poly) -> np.ndarray:
