@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 
 def _rows(calls: list, resources: list[str]) -> list[tuple[str, str]]:

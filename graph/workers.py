@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing as mp
-import os
 import pickle
 import queue
 import signal

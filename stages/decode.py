@@ -24,7 +24,6 @@ import concurrent.futures as cf
 import logging
 import multiprocessing as mp
 import os
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np

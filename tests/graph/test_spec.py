@@ -5,7 +5,7 @@ import pytest
 from graph.resources import load_resources
 from graph.schedule import compile_plan
 from graph.spec import ConfigError, build_graph
-from tests.helpers import CPU, make, node
+from tests.helpers import make, node
 
 P = "stages.synthetic"
 
