@@ -24,10 +24,12 @@ import concurrent.futures as cf
 import logging
 import multiprocessing as mp
 import os
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from graph.stage import In, Out, Stage
 from stages.codec import (SharedFrames, StreamIndex, TaskResult, VideoError, decode_task, keyframe_intervals,
@@ -156,7 +158,9 @@ def quickcodec_groups(path: str, pool: DecoderPool, *, fps=None, seconds=None, n
         lost: set[int] = set()
         errors: list[str] = []
         next_group = 0
-        for fut in cf.as_completed(futures):  # wakes on completion events, never polls
+        done = cf.as_completed(futures)  # wakes on completion events, never polls
+        for fut in tqdm(done, total=len(futures), desc=f"decode {Path(path).name}", unit="interval",
+                        leave=False, disable=None):
             try:
                 res: TaskResult = fut.result()
             except cf.process.BrokenProcessPool:
