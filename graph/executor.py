@@ -252,8 +252,8 @@ class Executor:
                 self.cv.wait(0.1)
         if errors:
             for e in errors:
-                if raise_first:
-                    log.error("%s\n%s", e, e.traceback_text)
+                if raise_first:  # the caller reports it (run.py: one line + error.txt)
+                    log.debug("%s\n%s", e, e.traceback_text)
                 else:  # closing after a failure: worth a line, not a second traceback
                     log.warning("%s", e)
                     log.debug("%s", e.traceback_text)
