@@ -33,6 +33,21 @@ def test_every_experiment_composes_and_validates(name):
     assert spec.nodes and plan.nodes
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "conf" / "sweep").glob("*.yaml")))
+def test_every_saved_sweep_composes_with_the_demo(name):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=demo", f"+sweep={name}"], return_hydra_config=True)
+    assert cfg.hydra.mode.name == "MULTIRUN" and cfg.hydra.sweeper.params
+    prepare(cfg)
+
+
+def test_saved_sweep_runs_without_dash_m(tmp_path):
+    out = run("+experiment=demo", "+sweep=runners", *SMALL_DEMO, f"hydra.sweep.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    table = (tmp_path / "report.md").read_text()
+    assert "| threaded |" in table and "| sequential |" in table and "speedup" in table
+
+
 def test_every_graph_validates_on_every_resources_config():
     graphs = sorted(p.stem for p in (ROOT / "conf" / "graph").glob("*.yaml"))
     for resources in ("cpu", "gpu", "gpu2"):
