@@ -32,7 +32,7 @@ from graph.context import Cancelled
 from graph.schedule import Plan, PlannedChannel
 from graph.spec import GraphSpec
 from graph.stage import Stage
-from graph.workers import InlineWorker, Job, build_stage, ProcessWorker, RemoteError, StreamWorker, ThreadWorker, Worker
+from graph.workers import InlineWorker, Job, build_stage, init_torch_runtime, ProcessWorker, RemoteError, StreamWorker, ThreadWorker, Worker
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,7 @@ class Executor:
         if self._started:
             return
         self._started = True
+        init_torch_runtime()
         self._make_workers()
         for pool in self.workers.values():
             for w in pool:

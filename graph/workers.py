@@ -24,6 +24,20 @@ from typing import Any, Callable
 from graph.context import Cancelled, StageContext
 
 
+_TORCH_INIT = threading.Lock()
+
+
+def init_torch_runtime() -> None:
+    """Initialise torch's thread pools from the main thread, before any worker thread touches
+    them: worker threads then only adjust their own count (under a lock), never race to create
+    the pools."""
+    import torch
+
+    with _TORCH_INIT:
+        torch.set_num_threads(torch.get_num_threads())
+        (torch.ones(64, 64) @ torch.ones(64, 64)).sum().item()
+
+
 @dataclass
 class Job:
     node: str
@@ -98,7 +112,8 @@ class Worker:
     def _thread_init(self) -> None:
         import torch
 
-        torch.set_num_threads(self.torch_threads)
+        with _TORCH_INIT:  # one thread at a time into the OpenMP/MKL thread settings
+            torch.set_num_threads(self.torch_threads)
 
     def _loop(self) -> None:
         self._thread_init()

@@ -20,9 +20,17 @@ EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml
 SMALL_DEMO = ["graph.nodes.source.stage.items=6", "graph.nodes.check.stage.rounds=8", "executor.warmup=0"]
 
 
-def run(*args, timeout=240, **kw):
-    return subprocess.run([sys.executable, "-m", "run", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, **kw)
+def run(*args, timeout=240):
+    """`python -m run ...` in its own process group, killed whole (workers too) if it overruns."""
+    proc = subprocess.Popen([sys.executable, "-m", "run", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"python -m run {' '.join(args)} did not finish in {timeout} s:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
