@@ -43,6 +43,8 @@ def main(cfg: DictConfig) -> float | None:
     except KeyboardInterrupt:
         print("reelflow: interrupted; run cancelled and cleaned up", file=sys.stderr)
         sys.exit(130)
+    if metrics.get("output_text") is not None:
+        print(metrics["output_text"])
     log.info("wall %.3f s (ideal overlapped %.3f s); outputs in %s",
              metrics["wall_s"], metrics["ideal_wall_s"], run_dir)
     return metrics["wall_s"]

@@ -47,12 +47,16 @@ def run_metrics(result: RunResult, spec: GraphSpec, plan: Plan, first_token: str
     wall = result.wall_s
     n_calls = len(calls)
     ttft = result.port_times.get(first_token, {}).get("first_s") if first_token else None
-    tokens = next((v for v in result.outputs.values() if hasattr(v, "ids")), None)
+    # the answer: a sink item with ids that is not the first-token signal
+    tokens = next((v for k, v in result.outputs.items() if hasattr(v, "ids") and k != first_token), None)
     reported: dict[str, Any] = {}
     for value in result.outputs.values():  # sink items may describe themselves (VideoInfo, ...)
         for v in value if isinstance(value, list) else [value]:
             if callable(getattr(v, "metrics", None)):
                 reported.update(v.metrics())
+    n_visual = (getattr(tokens, "meta", None) or {}).get("n_video_tokens")
+    if n_visual is not None and isinstance(reported.get("video"), dict):
+        reported["video"]["n_video_tokens"] = n_visual
     return {
         **reported,
         "request": getattr(result.request, "id", None),

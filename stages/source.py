@@ -17,6 +17,13 @@ from graph.stage import Out, Stage
 from stages.types import Request
 
 VIDEO_SUFFIXES = {".mp4", ".mkv", ".webm", ".mov", ".avi", ".ts", ".m4v", ".flv"}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _find(path: str) -> Path:
+    """`path` as given, or relative to the project (the bundled sample works from any directory)."""
+    p = Path(path).expanduser()
+    return p if p.exists() or p.is_absolute() else (ROOT / p if (ROOT / p).exists() else p)
 
 
 def load_requests(data: Any) -> list[Request]:
@@ -26,12 +33,12 @@ def load_requests(data: Any) -> list[Request]:
     if len(given) > 1:
         raise ConfigError(f"data: give one of path, folder, manifest (got {', '.join(given)}).")
     if path:
-        p = Path(path).expanduser()
+        p = _find(path)
         if not p.is_file():
             raise ConfigError(f"data.path={path}: no such file.")
         return [Request(id=p.stem, video=str(p.resolve()), prompt=prompt)]
     if folder:
-        d = Path(folder).expanduser()
+        d = _find(folder)
         if not d.is_dir():
             raise ConfigError(f"data.folder={folder}: no such directory.")
         files = sorted(f for f in d.iterdir() if f.suffix.lower() in VIDEO_SUFFIXES)
@@ -39,7 +46,7 @@ def load_requests(data: Any) -> list[Request]:
             raise ConfigError(f"data.folder={folder}: no video files ({', '.join(sorted(VIDEO_SUFFIXES))}).")
         return [Request(id=f.stem, video=str(f.resolve()), prompt=prompt) for f in files]
     if manifest:
-        m = Path(manifest).expanduser()
+        m = _find(manifest)
         if not m.is_file():
             raise ConfigError(f"data.manifest={manifest}: no such file.")
         out = []

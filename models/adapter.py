@@ -1,0 +1,195 @@
+"""The one small protocol every model stage uses, over a transformers Video-LLM.
+
+    lm = load_model("models/toy/weights/qwen-target")        # models.load
+    layout = lm.layout("describe the video .", n_frames=60, frame_hw=(84, 84), fps=2.0)
+    cache = lm.new_cache()
+    video = lm.encode(frames)                                 # [n_video_tokens, hidden]
+    logits = lm.prefill(cache, lm.embed(layout.ids, video), layout.positions)   # one shot
+    logits = lm.score(cache, torch.tensor([tok]), layout.length)                # next tokens
+    lm.crop(cache, n)              # rollback: keep the first n cached entries
+    lm.keep(cache, indices)        # pruning: keep these cached entries (their positions stay theirs)
+
+Positions are the crux. `layout` computes every position of the *unpruned* sequence once, with
+the model's own code (Qwen2.5-VL: `get_rope_index`, 3-D MRoPE; LLaVA-OneVision: 1-D); a span
+is prefilled with the columns of that table it covers, so a pruned or group-wise prefill carries
+each token's original position. Tokens after the prompt sit at `logical index + rope_delta` in
+every dimension (what `generate()` does), where the logical index counts pruned tokens too: a
+pruned cache is shorter than its logical length, and the caller keeps both (stages.types.KV).
+
+The forward is the model's own decoder layers, run one by one so that hidden states can be
+published after chosen layers while the rest of the forward goes on (`on_tap`) and the cache
+can be any length; masks come from transformers' `create_causal_mask`, so every attention
+implementation (sdpa, eager, flash_attention_2, or one registered by a user) sees what it would
+inside `model.forward`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from models.prompt import video_prompt_ids
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The unpruned prompt: ids (the video as placeholder ids), where the video sits, and every
+    position the model gives it."""
+
+    ids: torch.Tensor            # int64 [L]
+    video_start: int
+    n_video: int
+    positions: torch.Tensor      # int64 [P, L]: P = 3 (MRoPE t, h, w) or 1
+    rope_delta: int              # position of logical index j >= L is j + rope_delta
+    grid: tuple = ()             # model-specific video grid (Qwen: (t, h, w) in patches)
+
+    @property
+    def length(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def video(self) -> slice:
+        return slice(self.video_start, self.video_start + self.n_video)
+
+    def decode_positions(self, start: int, k: int) -> torch.Tensor:
+        """Positions [P, k] of logical indices start .. start + k - 1 after the prompt."""
+        pos = torch.arange(start, start + k) + self.rope_delta
+        return pos.expand(self.positions.shape[0], k)
+
+
+class VideoLM:
+    """Base adapter: the text decoder loop, caches and scoring shared by both families.
+    Subclasses supply `encode`, `video_token_count`, `_positions` and the placeholder id."""
+
+    arch: str = ""
+    placeholder_id: int
+
+    def __init__(self, model, tokenizer, preprocess: dict, name: str):
+        self.model, self.tokenizer, self.preprocess, self.name = model, tokenizer, preprocess, name
+        self.model.eval()
+        self.text = model.model.language_model           # embed_tokens, layers, norm, rotary_emb
+        self.lm_head = model.lm_head
+        self.text_config = self.text.config
+        self.n_layers = self.text_config.num_hidden_layers
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = self.text_config.vocab_size
+        eos = model.generation_config.eos_token_id if model.generation_config else None
+        eos = eos if eos is not None else tokenizer.eos_token_id
+        self.eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    # ----------------------------------------------------------------------------- prompt
+
+    @property
+    def fps(self) -> float | None:
+        """The frame rate the checkpoint was trained at, when its preprocessor config says."""
+        return self.preprocess.get("fps")
+
+    @property
+    def frame_size(self) -> tuple[int, int] | None:
+        size = self.preprocess.get("size")
+        return tuple(size) if size else None
+
+    def layout(self, prompt: str, n_frames: int, frame_hw: tuple[int, int], fps: float) -> Layout:
+        n_video, grid = self.video_token_count(n_frames, frame_hw)
+        ids, at = video_prompt_ids(self.tokenizer, prompt, self.placeholder_id, n_video)
+        ids = torch.tensor(ids, dtype=torch.long)
+        positions, delta = self._positions(ids, grid, fps)
+        return Layout(ids, at, n_video, positions, int(delta), grid)
+
+    def video_token_count(self, n_frames: int, frame_hw: tuple[int, int]) -> tuple[int, tuple]:
+        raise NotImplementedError
+
+    def _positions(self, ids: torch.Tensor, grid: tuple, fps: float) -> tuple[torch.Tensor, int]:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------------------- forward
+
+    @torch.inference_mode()
+    def embed(self, ids: torch.Tensor, video: torch.Tensor | None = None, video_start: int = 0) -> torch.Tensor:
+        """Token embeddings [n, hidden] of `ids` with rows video_start.. replaced by `video`."""
+        x = self.text.embed_tokens(ids.to(self.device))
+        if video is not None:
+            x = x.clone()
+            x[video_start:video_start + video.shape[0]] = video.to(x.dtype)
+        return x
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.text_config)
+
+    @torch.inference_mode()
+    def prefill(self, cache, embeds: torch.Tensor, positions: torch.Tensor, *, taps=(),
+                on_tap: Callable[[int, torch.Tensor], None] | None = None,
+                logits: str = "last", hidden: bool = False):
+        """Runs `embeds` [n, hidden] at `positions` [P, n] through the decoder, appending to `cache`.
+
+        taps: layer numbers l (1..n_layers; l is the output of layer l, 0 the embeddings) whose
+        hidden states [n, hidden] are handed to `on_tap(l, h)` as soon as layer l is done.
+        logits: "last" -> [vocab] of the last token, "all" -> [n, vocab], "none" -> None.
+        hidden: also return the final-norm hidden states [n, hidden] (returns (logits, hidden)).
+        """
+        from transformers.masking_utils import create_causal_mask
+
+        x = embeds.to(self.device, self.dtype)[None]                       # [1, n, d]
+        pos = positions.to(self.device)
+        pos = pos[:, None, :] if self.arch == "qwen2_5_vl" else pos[:1]    # [3, 1, n] | [1, n]
+        mask = create_causal_mask(config=self.text_config, inputs_embeds=x, attention_mask=None,
+                                  past_key_values=cache)
+        rope = self.text.rotary_emb(x, pos)
+        taps = set(taps)
+        if 0 in taps and on_tap:
+            on_tap(0, x[0])
+        for i, layer in enumerate(self.text.layers):
+            x = layer(x, attention_mask=mask, position_embeddings=rope, past_key_values=cache, use_cache=True)
+            if i + 1 in taps and on_tap:
+                on_tap(i + 1, x[0])
+        x = self.text.norm(x)[0]
+        out = None if logits == "none" else self.lm_head(x[-1:] if logits == "last" else x).float()
+        if out is not None and logits == "last":
+            out = out[0]
+        return (out, x) if hidden else out
+
+    def score(self, cache, ids: torch.Tensor, start: int, layout: Layout, **kw) -> torch.Tensor:
+        """Logits [k, vocab] for k new tokens `ids` at logical indices start.. (after the prompt)."""
+        ids = ids.reshape(-1)
+        return self.prefill(cache, self.embed(ids), layout.decode_positions(start, ids.shape[0]), logits="all", **kw)
+
+    # ----------------------------------------------------------------------------- cache edits
+
+    @staticmethod
+    def cached_length(cache) -> int:
+        return cache.get_seq_length()
+
+    @staticmethod
+    def crop(cache, n: int) -> None:
+        """Keep the first `n` cached entries (rollback after a rejected draft)."""
+        drop = cache.get_seq_length() - n
+        if drop < 0:
+            raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} entries to {n}")
+        if drop:
+            cache.crop(-drop)      # transformers 5: a negative count of entries to drop
+
+    @staticmethod
+    def keep(cache, indices: torch.Tensor) -> None:
+        """Keep only the cached entries at `indices` (sorted, int64), in every layer. Each entry
+        keeps the rotary position it was computed with, so the pruned cache attends as before."""
+        for layer in cache.layers:
+            idx = indices.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(-2, idx)
+            layer.values = layer.values.index_select(-2, idx)
+
+    # ----------------------------------------------------------------------------- vision
+
+    def encode(self, frames: torch.Tensor, *, last: bool = True) -> torch.Tensor:
+        """uint8 frames [n, 3, H, W] -> visual embeddings [n_tokens, hidden] in prompt order.
+        Frames are encoded group by group (`last` marks the video's final group)."""
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        n = sum(p.numel() for p in self.model.parameters())
+        return {"name": self.name, "arch": self.arch, "parameters": n, "dtype": str(self.dtype).removeprefix("torch."),
+                "device": str(self.device), "attn_implementation": self.text_config._attn_implementation}

@@ -1,0 +1,92 @@
+"""Loading a checkpoint behind the VideoLM protocol: a local directory or a hub id, any dtype,
+device and attention implementation. Weights load through safetensors only (`use_safetensors`),
+and `trust_remote_code` stays off.
+
+    lm = load_model("models/toy/weights/qwen-target")
+    lm = load_model("Qwen/Qwen2.5-VL-7B-Instruct", dtype="bfloat16", device="cuda", attn_implementation="sdpa")
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("reelflow.models")
+ROOT = Path(__file__).resolve().parent.parent
+ADAPTERS = {"qwen2_5_vl": "models.qwen2_5_vl:QwenVL", "llava_onevision": "models.llava_onevision:LlavaOneVision"}
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+class ModelError(ValueError):
+    """A checkpoint that cannot be used: missing, unsupported, or mismatched with its pair."""
+
+
+def resolve(path: str) -> str:
+    """A local directory as given, or relative to the project root; else `path` itself (a hub id)."""
+    p = Path(path).expanduser()
+    for candidate in (p, ROOT / p):
+        if candidate.is_dir():
+            return str(candidate.resolve())
+    return path
+
+
+def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa",
+               name: str | None = None):
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ModelError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+    where = resolve(path)
+    local = Path(where).is_dir()
+    try:
+        config = AutoConfig.from_pretrained(where, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        hint = ("a local directory with config.json" if local or "/" not in path or Path(path).exists()
+                else "a hub id available offline (no hub access here: download it elsewhere and give its directory)")
+        raise ModelError(f"model path {path!r}: no usable checkpoint ({hint}). {str(e).splitlines()[0]}") from None
+    arch = config.model_type
+    if arch not in ADAPTERS:
+        raise ModelError(f"model {path!r} is a {arch!r} model; reelflow adapts {', '.join(ADAPTERS)}")
+    if attn_implementation == "flash_attention_2":
+        try:
+            import flash_attn  # noqa: F401
+        except ImportError:
+            raise ModelError("attn_implementation=flash_attention_2 needs the flash-attn package "
+                             "(pip install '.[gpu]'); on a GPU, sdpa already runs flash kernels") from None
+    model = AutoModelForImageTextToText.from_pretrained(
+        where, dtype=DTYPES[dtype], attn_implementation=attn_implementation, use_safetensors=True,
+        trust_remote_code=False).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    preprocess = {}
+    if local and (Path(where) / "preprocessor_config.json").is_file():
+        preprocess = json.loads((Path(where) / "preprocessor_config.json").read_text())
+    module, cls = ADAPTERS[arch].split(":")
+    adapter = getattr(__import__(module, fromlist=[cls]), cls)
+    lm = adapter(model, tokenizer, preprocess, name or Path(path).name)
+    log.info("loaded %s (%s, %.2f M parameters, %s, %s, %s)", lm.name, arch,
+             sum(p.numel() for p in model.parameters()) / 1e6, dtype, device, attn_implementation)
+    return lm
+
+
+def shared_vocabulary(target, draft) -> int:
+    """The vocabulary size both models can be compared over: their tokenizers must agree on every
+    token id below it; lm_head rows past the tokenizer (padding) are sliced off."""
+    t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if t_vocab != d_vocab:
+        only_t = sorted(set(t_vocab) - set(d_vocab))[:5]
+        only_d = sorted(set(d_vocab) - set(t_vocab))[:5]
+        moved = sorted(w for w in set(t_vocab) & set(d_vocab) if t_vocab[w] != d_vocab[w])[:5]
+        raise ModelError(f"draft {draft.name!r} and target {target.name!r} have different tokenizers "
+                         f"(only in target: {only_t}, only in draft: {only_d}, different ids: {moved}); "
+                         "speculative decoding needs one tokenizer")
+    n = len(t_vocab)
+    if min(target.vocab_size, draft.vocab_size) < n:
+        raise ModelError(f"a model's lm_head ({min(target.vocab_size, draft.vocab_size)} rows) is smaller than its tokenizer ({n})")
+    if target.vocab_size != draft.vocab_size:
+        log.info("lm_head sizes differ (target %d, draft %d): comparing over the shared tokenizer vocabulary of %d",
+                 target.vocab_size, draft.vocab_size, n)
+    return n

@@ -1,0 +1,68 @@
+"""Qwen2.5-VL behind the VideoLM protocol (transformers' Qwen2_5_VLForConditionalGeneration).
+
+Video: frames are cut into 14-pixel patches, two frames deep (the temporal patch), and the vision
+tower merges 2x2 patches into one token, so a video of n frames at H x W gives
+ceil(n / 2) * (H / 28) * (W / 28) tokens. The tower attends within one temporal patch at a time,
+so encoding a video group by group gives the same tokens as encoding it whole, provided each
+group but the last has an even number of frames (the encode stage carries an odd frame over).
+
+Positions are 3-D (temporal, height, width) and come from the model's own `get_rope_index` on
+the whole unpruned prompt, with `mm_token_type_ids` given explicitly: without them transformers
+5 silently falls back to 1-D positions (DESIGN.md pitfall 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from models.adapter import VideoLM
+from models.preprocess import CLIP_MEAN, CLIP_STD, qwen_video_patches
+
+
+class QwenVL(VideoLM):
+    arch = "qwen2_5_vl"
+
+    def __init__(self, model, tokenizer, preprocess: dict, name: str):
+        super().__init__(model, tokenizer, preprocess, name)
+        self.vision = model.config.vision_config
+        self.placeholder_id = model.config.video_token_id
+        self.mean = tuple(preprocess.get("image_mean", CLIP_MEAN))
+        self.std = tuple(preprocess.get("image_std", CLIP_STD))
+        self.frames_per_step = self.vision.temporal_patch_size
+
+    def video_token_count(self, n_frames, frame_hw):
+        unit = self.vision.patch_size * self.vision.spatial_merge_size
+        h, w = frame_hw
+        if h % unit or w % unit:
+            raise ValueError(f"{self.name}: frames of {h}x{w} are not a multiple of {unit} pixels; "
+                             f"decode to a size that is (e.g. {round(h / unit) * unit}x{round(w / unit) * unit})")
+        t = math.ceil(n_frames / self.vision.temporal_patch_size)
+        grid = (t, h // self.vision.patch_size, w // self.vision.patch_size)
+        return t * (h // unit) * (w // unit), grid
+
+    def _positions(self, ids, grid, fps):
+        types = (ids == self.placeholder_id).int() * 2            # 0 text, 2 video
+        with torch.inference_mode():
+            pos, delta = self.model.model.get_rope_index(
+                ids[None], mm_token_type_ids=types[None], video_grid_thw=torch.tensor([grid]),
+                second_per_grid_ts=torch.tensor([self.vision.temporal_patch_size / fps]))
+        return pos[:, 0, :], int(delta.reshape(-1)[0])            # [3, L]
+
+    def generate_inputs(self, layout, frames: torch.Tensor, fps: float) -> dict:
+        """The same prompt as `model.generate()` takes it (for checks against the unmodified model)."""
+        flat, grid = qwen_video_patches(frames, self.mean, self.std, patch=self.vision.patch_size,
+                                        temporal=self.vision.temporal_patch_size, merge=self.vision.spatial_merge_size)
+        ids = layout.ids[None].to(self.device)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "pixel_values_videos": flat.to(self.device, self.dtype), "video_grid_thw": torch.tensor([grid]),
+                "second_per_grid_ts": torch.tensor([self.vision.temporal_patch_size / fps]),
+                "mm_token_type_ids": (ids == self.placeholder_id).int() * 2}
+
+    @torch.inference_mode()
+    def encode(self, frames, *, last=True):
+        flat, grid = qwen_video_patches(frames, self.mean, self.std, patch=self.vision.patch_size,
+                                        temporal=self.vision.temporal_patch_size, merge=self.vision.spatial_merge_size)
+        out = self.model.model.get_video_features(flat.to(self.device, self.dtype), torch.tensor([grid]))
+        return out.pooler_output[0]

@@ -1,0 +1,192 @@
+"""Trains a toy-zoo model on the toy world and saves it as a transformers checkpoint (bf16
+safetensors + tokenizer + preprocessor config), the way a real checkpoint is saved:
+
+    python -m run +experiment=train_toy train.model=qwen-target          # one model
+    python -m run -m +experiment=train_toy train.model=qwen-target,qwen-draft,llava-target,llava-draft
+
+Each step draws a batch of fresh worlds (training seeds start at TRAIN_SEED0; held-out seeds
+are below it) of one length drawn from `seconds`, renders them straight to frames (the codec
+round trip changes pixels by ~0.5/255 on average, measured, so training skips it), and asks a
+prompt from `models.toy.world.prompts`: the description most of the time, a follow-up question
+otherwise. Loss is next-token cross-entropy on the answer and its closing <|im_end|>.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from models.preprocess import CLIP_MEAN, CLIP_STD, SIGLIP_MEAN, SIGLIP_STD, qwen_video_patches, siglip_video_pixels
+from models.prompt import video_prompt_ids
+from models.toy import world as toy
+from models.toy.tokenizer import build_tokenizer
+from models.toy.zoo import FPS, FRAME_SIZE, SHAPES, zoo_config
+
+log = logging.getLogger("reelflow.train")
+
+TRAIN_SEED0 = 1_000_000       # training worlds use seeds >= this; evaluation uses seeds below
+WEIGHTS = Path(__file__).parent / "weights"
+
+
+@dataclass
+class Example:
+    frames: torch.Tensor      # uint8 [n, 3, H, W]
+    prompt: str
+    answer: str | None
+    truth: toy.Truth
+
+
+def example(seed: int, seconds: float, fps: float, rng: np.random.Generator | None = None, *,
+            describe_share: float = 0.7) -> Example:
+    """World `seed` rendered at `fps`; with `rng`, a prompt drawn from the world's prompts
+    (the description with probability `describe_share`), else the description."""
+    world = toy.make_world(seed, seconds)
+    frames = torch.from_numpy(np.stack(list(toy.render(world, fps, FRAME_SIZE)))).permute(0, 3, 1, 2).contiguous()
+    pairs = toy.prompts(world.truth, rng if rng is not None else seed)
+    if rng is not None and len(pairs) > 1 and rng.random() > describe_share:
+        prompt, answer = pairs[1 + int(rng.integers(len(pairs) - 1))]
+    else:
+        prompt, answer = pairs[0]
+    return Example(frames, prompt, answer, world.truth)
+
+
+def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bool) -> dict:
+    """The batch as the transformers model's forward takes it: right-padded ids, the video's
+    pixels, and (with answers) labels that score only the answer and its <|im_end|>."""
+    arch = config.model_type
+    rows, labels, pixels, grids = [], [], [], []
+    for ex in examples:
+        if arch == "qwen2_5_vl":
+            flat, (t, h, w) = qwen_video_patches(ex.frames, CLIP_MEAN, CLIP_STD)
+            pixels.append(flat)
+            grids.append((t, h, w))
+            n_video, placeholder = t * h * w // 4, config.video_token_id
+        else:
+            pixels.append(siglip_video_pixels(ex.frames, SIGLIP_MEAN, SIGLIP_STD))
+            side = math.ceil(config.vision_config.image_size // config.vision_config.patch_size / 2)
+            n_video, placeholder = ex.frames.shape[0] * side * side + 1, config.video_token_index
+        ids, _ = video_prompt_ids(tokenizer, ex.prompt, placeholder, n_video)
+        target = []
+        if with_answers:
+            target = tokenizer(ex.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        rows.append(ids + target)
+        labels.append([-100] * len(ids) + target)
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    batch = {"input_ids": input_ids, "attention_mask": mask}
+    if with_answers:
+        batch["labels"] = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
+    if arch == "qwen2_5_vl":
+        batch["pixel_values_videos"] = torch.cat(pixels)
+        batch["video_grid_thw"] = torch.tensor(grids)
+        batch["second_per_grid_ts"] = torch.tensor([config.vision_config.temporal_patch_size / FPS[arch]] * len(rows))
+        batch["mm_token_type_ids"] = (input_ids == config.video_token_id).int() * 2
+    else:
+        batch["pixel_values_videos"] = torch.stack(pixels)
+    return batch
+
+
+class Batches(torch.utils.data.IterableDataset):
+    """Endless training batches; each DataLoader worker draws its own seeds."""
+
+    def __init__(self, name: str, batch_size: int, seconds: tuple[float, float], seed: int):
+        self.name, self.batch_size, self.seconds, self.seed = name, batch_size, seconds, seed
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker = info.id if info else 0
+        torch.set_num_threads(1)
+        rng = np.random.default_rng([self.seed, worker])
+        config, tokenizer = zoo_config(self.name), build_tokenizer(SHAPES[self.name][0])
+        fps = FPS[config.model_type]
+        while True:
+            seconds = float(rng.integers(self.seconds[0], self.seconds[1] + 1))
+            seeds = TRAIN_SEED0 + rng.integers(0, 1 << 40, self.batch_size)
+            yield model_inputs(config, tokenizer, [example(int(s), seconds, fps, rng) for s in seeds], with_answers=True)
+
+
+@torch.no_grad()
+def caption_f1(model, tokenizer, seeds, seconds: float) -> float:
+    """Mean event F1 of greedy descriptions of held-out worlds `seeds` of `seconds` s."""
+    model.eval()
+    f1 = []
+    for seed in seeds:
+        ex = example(int(seed), seconds, FPS[model.config.model_type])
+        batch = model_inputs(model.config, tokenizer, [ex], with_answers=False)
+        budget = 8 * len(ex.truth.events) + 16
+        out = model.generate(**batch, max_new_tokens=budget, do_sample=False)
+        text = tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        f1.append(toy.score(text, ex.truth)["f1"])
+    model.train()
+    return float(np.mean(f1))
+
+
+def train(model: str, steps: int = 1500, batch_size: int = 8, lr: float = 2e-3, warmup: int = 100,
+          seconds: tuple = (8, 32), seed: int = 0, eval_seconds: float = 30.0, eval_videos: int = 8,
+          log_every: int = 50, out: str | None = None, progress: bool | None = None) -> dict:
+    """Trains zoo model `model` and saves it under `out` (default models/toy/weights/<model>)."""
+    from tqdm import tqdm
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    config = zoo_config(model)
+    tokenizer = build_tokenizer(config.model_type)
+    net = AutoModelForImageTextToText.from_config(config)
+    n_params = sum(p.numel() for p in net.parameters())
+    log.info("training %s: %s, %.2f M parameters, %d steps of %d videos of %s s", model,
+             type(net).__name__, n_params / 1e6, steps, batch_size, seconds)
+    opt = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    loader = torch.utils.data.DataLoader(Batches(model, batch_size, tuple(seconds), seed), batch_size=None,
+                                         num_workers=1, prefetch_factor=4, persistent_workers=False)
+    history, t0 = [], time.perf_counter()
+    net.train()
+    bar = tqdm(zip(range(steps), loader), total=steps, desc=f"train {model}", disable=progress is False,
+               mininterval=5)
+    running = None
+    for step, batch in bar:
+        loss = net(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+        bar.set_postfix(loss=f"{running:.3f}")
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            history.append({"step": step + 1, "loss": round(running, 4), "s": round(time.perf_counter() - t0, 1)})
+            log.info("step %d loss %.4f (%.0f s)", step + 1, running, time.perf_counter() - t0)
+    net = net.to(torch.bfloat16)   # what is shipped is what is evaluated
+    out_dir = Path(out) if out else WEIGHTS / model
+    save(net, tokenizer, out_dir)
+    eval_seeds = range(eval_videos)
+    f1 = caption_f1(net.float(), tokenizer, eval_seeds, eval_seconds)
+    result = {"model": model, "parameters": n_params, "steps": steps, "batch_size": batch_size, "lr": lr,
+              "seconds": list(seconds), "train_s": round(time.perf_counter() - t0, 1), "history": history,
+              f"f1_at_{eval_seconds:g}s": round(f1, 4), "eval_seeds": list(eval_seeds)}
+    (out_dir / "training.json").write_text(json.dumps(result, indent=1) + "\n")
+    log.info("%s: caption F1 %.3f on %d held-out %g-s videos; saved to %s", model, f1, eval_videos, eval_seconds, out_dir)
+    return result
+
+
+def save(net, tokenizer, out_dir: Path) -> None:
+    """A checkpoint any transformers user can load: safetensors weights, config, tokenizer with its
+    chat template, and the preprocessing the model was trained with (frame rate and size included)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    net.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    arch = net.config.model_type
+    mean, std = (CLIP_MEAN, CLIP_STD) if arch == "qwen2_5_vl" else (SIGLIP_MEAN, SIGLIP_STD)
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(
+        {"image_mean": list(mean), "image_std": list(std), "fps": FPS[arch], "size": [FRAME_SIZE, FRAME_SIZE]},
+        indent=1) + "\n")

@@ -1,0 +1,57 @@
+"""generate: the autoregressive baseline: one target step per token, greedy or sampled.
+
+Greedy (temperature 0) is token-identical to the model's own `generate(do_sample=False)`;
+tests check it for both architectures. The first token is published on `first` the moment it
+is known (time to first token), the whole answer on `tokens` at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graph.stage import In, Out, Stage
+from models.registry import get_model
+from models.sampling import greedy, sample, warp
+from stages.types import KV, Tokens
+
+
+class Generate(Stage):
+    placement = "gpu"
+    inputs = {"kv": In(KV)}
+    outputs = {"first": Out(Tokens, tap=True), "tokens": Out(Tokens)}
+
+    def __init__(self, model: dict, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be ≥ 0, got {temperature}")
+        self.model, self.max_new_tokens = dict(model), max_new_tokens
+        self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
+        self.lm = None
+
+    def setup(self, ctx) -> None:
+        self.lm = get_model(self.model, ctx.device)
+
+    def _pick(self, logits: torch.Tensor, rng: torch.Generator) -> int:
+        if self.temperature == 0:
+            return int(greedy(logits))
+        return int(sample(warp(logits, self.temperature, self.top_k, self.top_p), rng))
+
+    def __call__(self, ctx, kv: KV):
+        lm, layout, cache = self.lm, kv.meta["layout"], kv.cache
+        rng = torch.Generator().manual_seed(self.seed)
+        logits, n, out = kv.meta["logits"], kv.logical_length, []
+        while True:
+            token = self._pick(logits, rng)
+            out.append(token)
+            if len(out) == 1:
+                ctx.emit("first", Tokens([token]))
+            if token in lm.eos_ids or len(out) == self.max_new_tokens:
+                break
+            logits = lm.score(cache, torch.tensor([token]), n, layout)[-1]
+            n += 1
+        text = lm.tokenizer.decode(out, skip_special_tokens=True)
+        meta = {"model": lm.name, "n_video_tokens": kv.meta.get("n_video_tokens"),
+                "prompt_tokens": kv.logical_length, "stopped": "eos" if out[-1] in lm.eos_ids else "max_new_tokens"}
+        return {"tokens": Tokens(out, text, meta)}
