@@ -29,6 +29,14 @@ def main(cfg: DictConfig) -> float | None:
     from stages.source import load_requests
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if cfg.get("train"):      # +experiment=train_toy: training, not a graph
+        import json
+
+        from models.toy.train import train
+
+        result = train(**OmegaConf.to_container(cfg.train, resolve=True), progress=cfg.executor.get("progress"))
+        (run_dir / "metrics.json").write_text(json.dumps({"experiment": cfg.get("experiment"), **result}, indent=2))
+        return result["train_s"]
     try:
         requests = load_requests(cfg.get("data"))
         metrics = run_job(cfg, requests, run_dir)

@@ -127,8 +127,10 @@ class _NodeRun:
 
 
 class Executor:
-    def __init__(self, spec: GraphSpec, plan: Plan, *, cancel_timeout_s: float = 10.0, progress: bool | None = None):
+    def __init__(self, spec: GraphSpec, plan: Plan, *, cancel_timeout_s: float = 10.0, progress: bool | None = None,
+                 record: tuple[str, ...] = ()):
         self.spec, self.plan = spec, plan
+        self.record = set(record)   # "node.port" kept in the run's outputs even when consumed
         self.cancel_timeout_s = cancel_timeout_s
         self.progress = progress
         self.cv = threading.Condition()
@@ -499,7 +501,7 @@ class Executor:
         pt["items"] += 1
         pt["last_s"] = t
         rec.emits.append((port, now, offset))
-        if not self._consumers.get((name, port)):
+        if not self._consumers.get((name, port)) or key in self.record:
             if outs[port].stream:
                 self._outputs.setdefault(key, []).append(item)
             else:

@@ -76,3 +76,18 @@ def peak_memory() -> dict[str, int | None]:
         pass
     return {"peak_rss_bytes": int(rss * scale), "peak_children_rss_bytes": int(children * scale),
             "peak_cuda_bytes": cuda}
+
+
+def mean_tree(runs: list[dict]) -> dict:
+    """The mean of every numeric leaf the runs share (nested dicts recursed; booleans, strings
+    and lists skipped): the summary of a multi-request run."""
+    out: dict = {}
+    for key in runs[0]:
+        values = [r.get(key) for r in runs]
+        if all(isinstance(v, dict) for v in values):
+            sub = mean_tree(values)
+            if sub:
+                out[key] = sub
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            out[key] = round(sum(values) / len(values), 6)
+    return out

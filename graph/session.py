@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from graph.executor import Executor, RunResult
-from graph.metrics import ideal_wall_s, peak_memory, resource_busy, stage_stats
+from graph.metrics import ideal_wall_s, mean_tree, peak_memory, resource_busy, stage_stats
 from graph.resources import load_resources
 from graph.schedule import Plan, compile_plan
 from graph.spec import ConfigError, GraphSpec, build_graph
@@ -33,13 +33,15 @@ def prepare(cfg: DictConfig, n_cuda: int | None = None) -> tuple[GraphSpec, Plan
     ex = cfg.get("executor") or {}
     plan = compile_plan(spec, resources, cores, strict=strict, runner=ex.get("runner", "threaded"),
                         capacity=int(ex.get("capacity", 2)))
-    first = (cfg.get("graph") or {}).get("first_token")
-    if first and (first.rsplit(".", 1)[0] not in spec.nodes or "." not in first):
-        raise ConfigError(f"graph.first_token={first} names no node.port of this graph. Fix: e.g. graph.first_token=verify.tokens")
+    for key, example in (("first_token", "generate.first"), ("answer", "generate.tokens")):
+        ref = (cfg.get("graph") or {}).get(key)
+        if ref and ("." not in ref or ref.rsplit(".", 1)[1] not in getattr(spec.nodes.get(ref.rsplit(".", 1)[0]), "out_ports", {})):
+            raise ConfigError(f"graph.{key}={ref} names no node.port of this graph. Fix: e.g. graph.{key}={example}")
     return spec, plan
 
 
-def run_metrics(result: RunResult, spec: GraphSpec, plan: Plan, first_token: str | None) -> dict[str, Any]:
+def run_metrics(result: RunResult, spec: GraphSpec, plan: Plan, first_token: str | None,
+                answer: str | None = None) -> dict[str, Any]:
     calls = [c for c in result.calls]
     workers = {r.name: (1 if plan.runner == "sequential" else r.workers) for r in plan.resources}
     pins = {n.name: (n.worker if plan.runner == "threaded" else None) for n in plan.nodes}
@@ -48,7 +50,8 @@ def run_metrics(result: RunResult, spec: GraphSpec, plan: Plan, first_token: str
     n_calls = len(calls)
     ttft = result.port_times.get(first_token, {}).get("first_s") if first_token else None
     # the answer: a sink item with ids that is not the first-token signal
-    tokens = next((v for k, v in result.outputs.items() if hasattr(v, "ids") and k != first_token), None)
+    tokens = result.outputs.get(answer) if answer else None
+    tokens = tokens or next((v for k, v in result.outputs.items() if hasattr(v, "ids") and k != first_token), None)
     reported: dict[str, Any] = {}
     for value in result.outputs.values():  # sink items may describe themselves (VideoInfo, ...)
         for v in value if isinstance(value, list) else [value]:
@@ -79,6 +82,27 @@ def run_metrics(result: RunResult, spec: GraphSpec, plan: Plan, first_token: str
     }
 
 
+def summary_table(per_run: list[dict], summary: dict) -> str:
+    """Markdown: one row per request (its score, if any, and timings), the means, and the mean
+    busy time per stage."""
+    score_keys = list(per_run[0].get("score") or {})
+    cols = ["request", *score_keys, "n_generated", "wall_s", "ttft_s", "decode_s"]
+
+    def cell(v):
+        return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
+
+    def row(m, name=None):
+        values = [name or m.get("request"), *[(m.get("score") or {}).get(k) for k in score_keys],
+                  *[m.get(k) for k in cols[1 + len(score_keys):]]]
+        return "| " + " | ".join(cell(v) for v in values) + " |"
+
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols), *[row(m) for m in per_run], row(summary, "**mean**"),
+             "", "| stage | mean busy_s | calls |", "|---|---|---|"]
+    for node, st in (summary.get("stages") or {}).items():
+        lines.append(f"| {node} | {cell(st.get('busy_s'))} | {cell(st.get('calls'))} |")
+    return "\n".join(lines) + "\n"
+
+
 def _model_name(entry: Any) -> str | None:
     return entry.get("name") or entry.get("path") if isinstance(entry, dict) else entry
 
@@ -92,15 +116,17 @@ def run_job(cfg: DictConfig, requests: list[Any], run_dir: Path) -> dict[str, An
     warmup = int(ex_cfg.get("warmup", 0))
     progress = ex_cfg.get("progress", None)
     first_token = (cfg.get("graph") or {}).get("first_token")
+    answer = (cfg.get("graph") or {}).get("answer")
     results: list[RunResult] = []
-    with Executor(spec, plan, cancel_timeout_s=float(ex_cfg.get("cancel_timeout_s", 10.0)), progress=progress) as ex:
+    with Executor(spec, plan, cancel_timeout_s=float(ex_cfg.get("cancel_timeout_s", 10.0)), progress=progress,
+                  record=tuple(p for p in (answer,) if p)) as ex:
         for _ in range(warmup):
             ex.run(requests[0])
         for request in tqdm(requests, desc="requests", unit="req", disable=None if progress is None else not progress):
             results.append(ex.run(request))
         setup_s = sum(c.t1 - c.t0 for c in ex.setup_calls)
 
-    per_run = [run_metrics(r, spec, plan, first_token) for r in results]
+    per_run = [run_metrics(r, spec, plan, first_token, answer) for r in results]
     first = results[0]
     taps = {(n, p) for n, node in spec.nodes.items() for p, o in node.out_ports.items() if o.tap}
     res_names = [r.name for r in plan.resources]
@@ -125,5 +151,9 @@ def run_job(cfg: DictConfig, requests: list[Any], run_dir: Path) -> dict[str, An
     if len(per_run) > 1:
         metrics["runs"] = per_run
         metrics["wall_s_mean"] = round(sum(m["wall_s"] for m in per_run) / len(per_run), 6)
+        metrics["summary"] = mean_tree(per_run)
+        (run_dir / "summary.md").write_text(summary_table(per_run, metrics["summary"]))
+        log.info("%d requests; means: %s", len(per_run), ", ".join(
+            f"{k} {v}" for k, v in {**metrics["summary"].get("score", {}), "wall_s": metrics["summary"].get("wall_s")}.items()))
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))
     return metrics

@@ -84,10 +84,11 @@ class Prefill(Stage):
 
     def _check_context(self, layout) -> None:
         limit = getattr(self.lm.text_config, "max_position_embeddings", None)
-        need = int(layout.positions.max()) + 1 + self.max_new_tokens
+        # tokens held (what memory and attention pay) and positions used (MRoPE compresses them)
+        need = max(layout.length, int(layout.positions.max()) + 1) + self.max_new_tokens
         if limit and need > limit:
             raise ContextTooLong(
-                f"the prompt needs positions up to {need} ({layout.n_video} visual tokens from {self.frames} frames "
+                f"the prompt needs a context of {need} ({layout.n_video} visual tokens from {self.frames} frames "
                 f"+ {self.max_new_tokens} new tokens), beyond {self.lm.name}'s context of {limit}: sample fewer frames "
                 "(graph.nodes.decode.stage.fps=..., or num_frames=...) or prefill in groups with KV pruning "
                 "(+experiment=quickvideo)")

@@ -29,9 +29,11 @@ def _find(path: str) -> Path:
 def load_requests(data: Any) -> list[Request]:
     data = dict(data or {})
     path, folder, manifest, prompt = (data.get(k) for k in ("path", "folder", "manifest", "prompt"))
-    given = [k for k in ("path", "folder", "manifest") if data.get(k)]
+    given = [k for k in ("path", "folder", "manifest", "toy") if data.get(k)]
     if len(given) > 1:
-        raise ConfigError(f"data: give one of path, folder, manifest (got {', '.join(given)}).")
+        raise ConfigError(f"data: give one of path, folder, manifest, toy (got {', '.join(given)}).")
+    if data.get("toy"):
+        return toy_requests(prompt=prompt, **dict(data["toy"]))
     if path:
         p = _find(path)
         if not p.is_file():
@@ -60,11 +62,26 @@ def load_requests(data: Any) -> list[Request]:
                 raise ConfigError(f"data.manifest={manifest} line {n}: expected {{\"path\": ..., \"prompt\": ...}} ({e}).") from None
             if not video.is_file():
                 raise ConfigError(f"data.manifest={manifest} line {n}: no such file {video}.")
-            out.append(Request(id=str(row.get("id", video.stem)), video=str(video), prompt=row.get("prompt", prompt)))
+            out.append(Request(id=str(row.get("id", video.stem)), video=str(video), prompt=row.get("prompt", prompt),
+                               reference=row.get("reference")))
         if not out:
             raise ConfigError(f"data.manifest={manifest} has no rows.")
         return out
     return [Request(id="0", video=None, prompt=prompt)]
+
+
+def toy_requests(videos: int = 8, seconds: float = 30, first_seed: int = 0, fps: float = 2.0, size: int = 84,
+                 prompt: str | None = None) -> list[Request]:
+    """`videos` held-out toy-world videos (seeds first_seed.., below the training seeds), made once
+    into the cache, each request carrying its truth as the reference."""
+    from models.toy.world import ensure_video
+
+    out = []
+    for seed in range(first_seed, first_seed + videos):
+        path, truth = ensure_video(seed, seconds, fps, size)
+        out.append(Request(id=f"s{seed}-{seconds:g}s", video=str(path), prompt=prompt or "describe the video .",
+                           reference=truth.to_dict()))
+    return out
 
 
 class Source(Stage):

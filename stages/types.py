@@ -17,6 +17,7 @@ class Request:
     id: str = "0"
     video: str | None = None
     prompt: str | None = None
+    reference: Any = None   # what a scorer compares the answer with (the toy world's truth, a dict)
 
 
 @dataclass(frozen=True)
@@ -126,3 +127,13 @@ class Tokens:
     ids: list
     text: str | None = None
     meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Score:
+    """How good an answer is against the request's reference; `metrics()` feeds metrics.json."""
+
+    values: dict            # e.g. {"precision": .., "recall": .., "f1": ..}
+
+    def metrics(self) -> dict:
+        return {"score": dict(self.values)}

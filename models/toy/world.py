@@ -517,3 +517,21 @@ def _lcs_length(a: list, b: list) -> int:
         u = v & positions.get(y, 0)
         v = ((v + u) | (v - u)) & everything
     return len(a) - v.bit_count()
+
+
+def ensure_video(seed: int, seconds: float, fps: float = 2.0, size: int = 84, cache_dir=None) -> tuple[Path, Truth]:
+    """The toy video of (`seed`, `seconds`) made once into the cache (`$REELFLOW_CACHE/toy`, else
+    ~/.cache/reelflow/toy) with its truth beside it as JSON; written under a temporary name and
+    renamed, so an interrupted run never leaves a file that looks complete."""
+    import json
+    import os
+
+    root = Path(cache_dir) if cache_dir else Path(os.environ.get("REELFLOW_CACHE", Path.home() / ".cache" / "reelflow")) / "toy"
+    path = root / f"toy-s{seed}-{seconds:g}s-{fps:g}fps-{size}px.mp4"
+    truth_path = path.with_suffix(".json")
+    if not (path.is_file() and truth_path.is_file()):
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.mp4")
+        truth = make_video(seed, seconds, fps, size, tmp)
+        truth_path.write_text(json.dumps(truth.to_dict()) + "\n")
+        tmp.replace(path)
+    return path, Truth.from_dict(json.loads(truth_path.read_text()))
