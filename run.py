@@ -34,7 +34,15 @@ def main(cfg: DictConfig) -> float | None:
 
         from models.toy.train import train
 
-        result = train(**OmegaConf.to_container(cfg.train, resolve=True), progress=cfg.executor.get("progress"))
+        import inspect
+
+        kwargs = OmegaConf.to_container(cfg.train, resolve=True)
+        try:
+            inspect.signature(train).bind(**kwargs)
+        except TypeError as e:
+            print(f"reelflow: train: {e} (keys: {', '.join(inspect.signature(train).parameters)})", file=sys.stderr)
+            sys.exit(2)
+        result = train(**kwargs, progress=cfg.executor.get("progress"))
         (run_dir / "metrics.json").write_text(json.dumps({"experiment": cfg.get("experiment"), **result}, indent=2))
         return result["train_s"]
     try:

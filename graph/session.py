@@ -28,8 +28,16 @@ log = logging.getLogger(__name__)
 
 def prepare(cfg: DictConfig, n_cuda: int | None = None) -> tuple[GraphSpec, Plan]:
     """Everything that can be checked without building a stage: the config's whole validation."""
+    from omegaconf.errors import InterpolationResolutionError
+
     resources, cores, strict = load_resources(cfg.get("resources"), n_cuda=n_cuda)
-    spec = build_graph(cfg.get("graph"), resources)
+    try:
+        spec = build_graph(cfg.get("graph"), resources)
+    except InterpolationResolutionError as e:   # e.g. ${model.target.fps} with model=none
+        key = getattr(e, "full_key", "") or "a graph key"
+        detail = str(e).splitlines()[0]
+        raise ConfigError(f"{key}: {detail}. Fix: choose what it refers to, e.g. model=toy_qwen "
+                          "(graphs with models need model.target).") from None
     ex = cfg.get("executor") or {}
     plan = compile_plan(spec, resources, cores, strict=strict, runner=ex.get("runner", "threaded"),
                         capacity=int(ex.get("capacity", 2)))

@@ -1,0 +1,43 @@
+"""The trainer end to end at a toy scale (a few steps of the draft shape): it writes a checkpoint
+that loads like a real one (bf16 safetensors, tokenizer with chat template, preprocessing) and a
+training.json; the batches it builds score only the answer."""
+
+import json
+
+import numpy as np
+import torch
+
+from models.load import load_model
+from models.toy.tokenizer import build_tokenizer
+from models.toy.train import Batches, example, model_inputs, train
+from models.toy.zoo import SHAPES, zoo_config
+
+
+def test_batches_label_only_the_answer_and_its_end():
+    config, tok = zoo_config("qwen-draft"), build_tokenizer("qwen2_5_vl")
+    ex = example(1_000_003, 6, 2.0, np.random.default_rng(0))
+    batch = model_inputs(config, tok, [ex, example(1_000_004, 6, 2.0, np.random.default_rng(1))], with_answers=True)
+    labels = batch["labels"][0]
+    answer = labels[labels != -100].tolist()
+    assert answer == tok(ex.answer, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    assert (batch["mm_token_type_ids"] == 2).sum() == 2 * 54     # 6 s at 2 fps: 6 temporal patches x 9, both rows
+
+
+def test_curriculum_widens_from_warm_to_full_lengths():
+    b = Batches("qwen-draft", 2, (8, 32), 0, (2, 12), ramp_batches=10)
+    assert b.lengths(0) == (2, 12) and b.lengths(10) == (8, 32) and b.lengths(5) == (5, 22)
+
+
+def test_a_few_steps_write_a_checkpoint_that_loads_like_a_real_one(tmp_path):
+    result = train("qwen-draft", steps=3, batch_size=2, seconds=(2, 4), warm_seconds=(2, 4), warmup=1,
+                   eval_seconds=4, eval_videos=1, log_every=1, out=str(tmp_path / "ck"), progress=False)
+    assert len(result["history"]) == 3 and all(np.isfinite(h["loss"]) for h in result["history"])
+    saved = json.loads((tmp_path / "ck" / "training.json").read_text())
+    assert saved["steps"] == 3 and 0.0 <= saved["f1_at_4s"] <= 1.0
+    lm = load_model(str(tmp_path / "ck"), name="d")
+    assert lm.fps == 2.0 and lm.frame_size == (84, 84)
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "ck" / "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert lm.model.config.model_type == SHAPES["qwen-draft"][0]
+    assert isinstance(lm.encode(torch.zeros(2, 3, 84, 84, dtype=torch.uint8)), torch.Tensor)
