@@ -45,9 +45,12 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
     try:
         config = AutoConfig.from_pretrained(where, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        hint = ("a local directory with config.json" if local or "/" not in path or Path(path).exists()
-                else "a hub id available offline (no hub access here: download it elsewhere and give its directory)")
-        raise ModelError(f"model path {path!r}: no usable checkpoint ({hint}). {str(e).splitlines()[0]}") from None
+        looks_like_path = local or path.startswith(("/", ".", "~")) or path.count("/") != 1
+        hint = ("no such directory, or no config.json in it" if looks_like_path
+                else "not a directory here, and a hub id needs the hub or its local cache: download it where "
+                     "there is access and give its directory")
+        detail = "" if looks_like_path else " " + str(e).splitlines()[0]
+        raise ModelError(f"model path {path!r}: no usable checkpoint ({hint}).{detail}") from None
     arch = config.model_type
     if arch not in ADAPTERS:
         raise ModelError(f"model {path!r} is a {arch!r} model; reelflow adapts {', '.join(ADAPTERS)}")

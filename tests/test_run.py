@@ -108,6 +108,22 @@ def test_bad_config_exits_nonzero_with_one_readable_message(override, expect, tm
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("args,code,expect", [
+    (["model.target.path=/nowhere/model"], 1, "model path '/nowhere/model': no usable checkpoint"),
+    (["data.prompt='<|im_start|> user describe the video . <|im_end|>'"], 1, "0 video placeholders (<|video_pad|>)"),
+    (["data.path=/nowhere/clip.mp4"], 2, "data.path=/nowhere/clip.mp4: no such file"),
+    (["model=none"], 2, "Fix: choose what it refers to, e.g. model=toy_qwen"),
+    (["model.target.path=SHORT"], 1, "beyond qwen-target's context of 256: sample fewer frames"),
+], ids=["unknown-model", "prompt-without-video", "missing-video", "no-model", "beyond-context"])
+def test_bad_input_is_one_clear_message(args, code, expect, tmp_path):
+    if args == ["model.target.path=SHORT"]:     # a checkpoint whose context the sample video overflows
+        from tests.models.test_adapters import random_checkpoint
+        args = [f"model.target.path={random_checkpoint(tmp_path / 'short', 'qwen-draft', max_position_embeddings=256)}"]
+    out = run(*args, f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == code, out.stderr
+    assert expect in out.stderr and "Traceback" not in out.stderr
+
+
 def test_stage_failure_exits_1_and_names_node_and_item(tmp_path):
     out = run("+experiment=demo", *SMALL_DEMO, "+graph.nodes.consume.stage.fail_at=3", f"hydra.run.dir={tmp_path}")
     assert out.returncode == 1

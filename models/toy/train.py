@@ -144,9 +144,9 @@ def caption_f1(model, tokenizer, seeds, seconds: float) -> float:
     return float(np.mean(f1))
 
 
-def train(model: str, steps: int = 1500, batch_size: int = 8, lr: float = 2e-3, warmup: int = 100,
+def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, warmup: int = 100,
           seconds: tuple = (8, 32), warm_seconds: tuple = (2, 12), ramp: float = 0.5, seed: int = 0, eval_seconds: float = 30.0, eval_videos: int = 8,
-          log_every: int = 50, out: str | None = None, progress: bool | None = None) -> dict:
+          log_every: int = 50, eval_every: int = 250, out: str | None = None, progress: bool | None = None) -> dict:
     """Trains zoo model `model` and saves it under `out` (default models/toy/weights/<model>)."""
     from tqdm import tqdm
     from transformers import AutoModelForImageTextToText
@@ -181,6 +181,13 @@ def train(model: str, steps: int = 1500, batch_size: int = 8, lr: float = 2e-3, 
         if (step + 1) % log_every == 0 or step + 1 == steps:
             history.append({"step": step + 1, "loss": round(running, 4), "s": round(time.perf_counter() - t0, 1)})
             log.info("step %d loss %.4f (%.0f s)", step + 1, running, time.perf_counter() - t0)
+        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+            # a quick look on short held-out videos: is the model using the video yet?
+            quick = caption_f1(net, tokenizer, range(100, 104), 10.0)
+            if not history or history[-1]["step"] != step + 1:
+                history.append({"step": step + 1, "loss": round(running, 4), "s": round(time.perf_counter() - t0, 1)})
+            history[-1]["f1_at_10s"] = round(quick, 4)
+            log.info("step %d: caption F1 %.3f on 4 held-out 10-s videos", step + 1, quick)
     net = net.to(torch.bfloat16)   # what is shipped is what is evaluated
     out_dir = Path(out) if out else WEIGHTS / model
     save(net, tokenizer, out_dir)
