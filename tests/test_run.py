@@ -176,3 +176,27 @@ def test_ctrl_c_cancels_and_leaves_nothing_behind(tmp_path):
     alive = [p for p in children if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
     assert not alive, f"worker processes left behind: {alive}"
     assert set(os.listdir("/dev/shm")) - shm_before == set()
+
+
+def test_default_run_describes_the_bundled_video_with_the_toy_target(tmp_path):
+    from models.toy.world import Truth, score
+
+    out = run(f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["output_text"] in out.stdout
+    assert metrics["video"]["n_video_tokens"] == 270 and metrics["ttft_s"] < metrics["wall_s"]
+    truth = Truth.from_dict(json.loads((ROOT / "models" / "toy" / "sample" / "toy-30s.json").read_text()))
+    assert score(metrics["output_text"], truth)["f1"] >= 0.8
+
+
+def test_caption_eval_scores_each_video_and_summarises(tmp_path):
+    out = run("+experiment=caption_eval", "data.toy.videos=2", "data.toy.seconds=8", "data.toy.first_seed=50",
+              f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert [r["request"] for r in metrics["runs"]] == ["s50-8s", "s51-8s"]
+    f1 = [r["score"]["f1"] for r in metrics["runs"]]
+    assert metrics["summary"]["score"]["f1"] == pytest.approx(sum(f1) / 2, abs=1e-6)
+    table = (tmp_path / "summary.md").read_text()
+    assert "| s50-8s |" in table and "**mean**" in table and "| generate |" in table

@@ -184,3 +184,25 @@ def test_draft_and_target_with_different_tokenizers_are_refused(tmp_path, lm):
 def test_padded_lm_head_is_sliced_to_the_shared_vocabulary(tmp_path, lm):
     padded = load_model(str(random_checkpoint(tmp_path / "p", ARCHS[lm.arch], vocab_size=72)))
     assert padded.vocab_size == 72 and shared_vocabulary(lm, padded) == len(lm.tokenizer) == 64
+
+
+def test_attention_scores_of_a_span_match_the_models_own_attentions(lm, video):
+    frames, fps = video
+    layout = lm.layout("describe the video .", frames.shape[0], tuple(frames.shape[-2:]), fps)
+    embeds = lm.embed(layout.ids, lm.encode(frames), layout.video_start)
+    end = layout.video_start + layout.n_video
+    cache = lm.new_cache()
+    lm.prefill(cache, embeds[:end], layout.positions[:, :end])
+    scores = lm.attention_scores(cache, embeds[end:], layout.positions[:, end:], layers=(1, lm.n_layers))
+    assert lm.cached_length(cache) == layout.length and lm.text_config._attn_implementation == "sdpa"
+    impl = lm.text_config._attn_implementation
+    lm.model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            ref = lm.model(**lm.generate_inputs(layout, frames, fps), output_attentions=True).attentions
+    finally:
+        lm.model.set_attn_implementation(impl)
+    for layer in (1, lm.n_layers):
+        want = ref[layer - 1][0].mean(0)[end:]                   # [n_span, L]
+        torch.testing.assert_close(scores[layer], want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(scores[layer].sum(-1), torch.ones(layout.length - end))
