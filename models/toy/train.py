@@ -201,7 +201,7 @@ def caption_f1(model, tokenizer, seeds, seconds: float) -> float:
 
 def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, warmup: int = 100,
           seconds: tuple = (8, 32), warm_seconds: tuple = (2, 12), ramp: float = 0.5, seed: int = 0, eval_seconds: float = 30.0, eval_videos: int = 8,
-          aux_weight: float = 1.0, log_every: int = 50, eval_every: int = 250, out: str | None = None,
+          aux_weight: float = 1.0, init: str | None = None, log_every: int = 50, eval_every: int = 250, out: str | None = None,
           progress: bool | None = None) -> dict:
     """Trains zoo model `model` and saves it under `out` (default models/toy/weights/<model>)."""
     from tqdm import tqdm
@@ -210,7 +210,15 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
     torch.manual_seed(seed)
     config = zoo_config(model)
     tokenizer = build_tokenizer(config.model_type)
-    net = AutoModelForImageTextToText.from_config(config)
+    if init:     # go on from a saved checkpoint (same zoo shape) instead of random weights
+        net = AutoModelForImageTextToText.from_pretrained(init, dtype=torch.float32, use_safetensors=True)
+        a, b = net.config, config
+        if (a.model_type, a.text_config.hidden_size, a.text_config.num_hidden_layers) != (
+                b.model_type, b.text_config.hidden_size, b.text_config.num_hidden_layers):
+            raise ValueError(f"init={init} is not a {model} checkpoint ({a.model_type}, "
+                             f"{a.text_config.num_hidden_layers} layers of {a.text_config.hidden_size})")
+    else:
+        net = AutoModelForImageTextToText.from_config(config)
     n_params = sum(p.numel() for p in net.parameters())
     log.info("training %s: %s, %.2f M parameters, %d steps of %d videos of %s s", model,
              type(net).__name__, n_params / 1e6, steps, batch_size, seconds)
@@ -257,9 +265,11 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
     save(net, tokenizer, out_dir)
     eval_seeds = range(eval_videos)
     f1 = caption_f1(net.float(), tokenizer, eval_seeds, eval_seconds)
-    result = {"model": model, "parameters": n_params, "steps": steps, "batch_size": batch_size, "lr": lr, "aux_weight": aux_weight,
+    result = {"model": model, "parameters": n_params, "steps": steps, "batch_size": batch_size, "lr": lr, "aux_weight": aux_weight, "init": init,
               "seconds": list(seconds), "warm_seconds": list(warm_seconds), "ramp": ramp, "train_s": round(time.perf_counter() - t0, 1), "history": history,
               f"f1_at_{eval_seconds:g}s": round(f1, 4), "eval_seeds": list(eval_seeds)}
+    if init and (Path(init) / "training.json").is_file():   # keep the whole recipe: earlier stages first
+        result["init_training"] = json.loads((Path(init) / "training.json").read_text())
     (out_dir / "training.json").write_text(json.dumps(result, indent=1) + "\n")
     log.info("%s: caption F1 %.3f on %d held-out %g-s videos; saved to %s", model, f1, eval_videos, eval_seconds, out_dir)
     return result

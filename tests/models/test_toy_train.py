@@ -41,3 +41,16 @@ def test_a_few_steps_write_a_checkpoint_that_loads_like_a_real_one(tmp_path):
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     assert lm.model.config.model_type == SHAPES["qwen-draft"][0]
     assert isinstance(lm.encode(torch.zeros(2, 3, 84, 84, dtype=torch.uint8)), torch.Tensor)
+
+
+def test_training_goes_on_from_a_checkpoint_and_keeps_its_recipe(tmp_path):
+    first = tmp_path / "a"
+    train("qwen-draft", steps=2, batch_size=2, seconds=(2, 3), warm_seconds=(2, 3), warmup=1, eval_seconds=3,
+          eval_videos=1, out=str(first), progress=False)
+    result = train("qwen-draft", steps=2, batch_size=2, seconds=(2, 3), warm_seconds=(2, 3), warmup=1, eval_seconds=3,
+                   eval_videos=1, out=str(tmp_path / "b"), init=str(first), progress=False)
+    saved = json.loads((tmp_path / "b" / "training.json").read_text())
+    assert result["init"] == str(first) and saved["init_training"]["steps"] == 2
+    import pytest
+    with pytest.raises(ValueError, match="is not a qwen-target checkpoint"):
+        train("qwen-target", steps=1, init=str(first), progress=False)
