@@ -48,7 +48,14 @@ class QwenVL(VideoLM):
             pos, delta = self.model.model.get_rope_index(
                 ids[None], mm_token_type_ids=types[None], video_grid_thw=torch.tensor([grid]),
                 second_per_grid_ts=torch.tensor([self.vision.temporal_patch_size / fps]))
-        return pos[:, 0, :], int(delta.reshape(-1)[0])            # [3, L]
+        pos = pos[:, 0, :]                                        # [3, L]
+        # New tokens continue from the prompt's last position, as generate() does. That equals the
+        # model's rope_deltas (max position + 1 - L) when the text after the video sits beyond the
+        # video's largest temporal position (original Qwen2.5-VL); transformers 5's get_rope_index
+        # starts that text after max(h, w) / merge only, so on a long video the video's temporal
+        # positions exceed the last text position and rope_deltas would jump decoding far ahead
+        # of what generate() and training use (measured: a 30-s toy video diverged at token 2).
+        return pos, int(pos[:, -1].max()) + 1 - ids.shape[0]
 
     def generate_inputs(self, layout, frames: torch.Tensor, fps: float) -> dict:
         """The same prompt as `model.generate()` takes it (for checks against the unmodified model)."""

@@ -67,11 +67,11 @@ def frames_of(seed: int, seconds: float, fps: float) -> tuple[torch.Tensor, worl
     return frames, truth
 
 
-def evaluate(videos: int = 8, lengths=(30, 120), long_videos: int = 4) -> dict:
+def evaluate(videos: int = 8, lengths=(30, 120), long_videos: int = 4, pairs=PAIRS) -> dict:
     from tqdm import tqdm
 
     card = {}
-    for target_name, draft_name in PAIRS:
+    for target_name, draft_name in pairs:
         if not (WEIGHTS / target_name).is_dir():
             continue
         target = load_model(str(WEIGHTS / target_name), name=target_name)
@@ -123,9 +123,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m models.toy.card", description=__doc__.split("\n\n")[0])
     ap.add_argument("--videos", type=int, default=8, help="held-out videos at the training length")
     ap.add_argument("--long-videos", type=int, default=4, help="held-out videos 4x longer")
+    ap.add_argument("--family", choices=["qwen", "llava"], help="evaluate one pair and keep the other's rows")
     args = ap.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    card = evaluate(args.videos, long_videos=args.long_videos)
+    pairs = [p for p in PAIRS if not args.family or p[0].startswith(args.family)]
+    card = evaluate(args.videos, long_videos=args.long_videos, pairs=pairs)
+    previous = WEIGHTS / "card.json"
+    if args.family and previous.is_file():
+        card = {**{k: v for k, v in json.loads(previous.read_text()).items() if not k.startswith(args.family)}, **card}
     print(write_card(card).read_text())
 
 

@@ -5,7 +5,6 @@ video file; sampling is reproducible from its seed; a video beyond the context i
 from __future__ import annotations
 
 import pytest
-import torch
 
 from graph.executor import Executor, StageFailed
 from models.load import load_model
