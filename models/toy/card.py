@@ -97,13 +97,19 @@ def evaluate(videos: int = 8, lengths=(30, 120), long_videos: int = 4, pairs=PAI
                 if agree[1]:
                     card.setdefault(draft.name, {})["greedy_agreement_with_target"] = round(agree[0] / agree[1], 4)
             training = json.loads((WEIGHTS / lm.name / "training.json").read_text())
-            row.update({k: training[k] for k in ("steps", "batch_size", "seconds", "train_s") if k in training})
+            stages = []
+            while training:                       # a continued checkpoint carries its earlier stages
+                stages.append(training)
+                training = training.get("init_training")
+            row.update(steps=sum(t["steps"] for t in stages), train_s=round(sum(t["train_s"] for t in stages), 1),
+                       stages=len(stages))
             card.setdefault(lm.name, {}).update(row)
     return card
 
 
 def write_card(card: dict, out: Path = WEIGHTS) -> Path:
-    cols = ["model", "arch", "parameters", "fps", "f1_30s", "f1_120s", "greedy_agreement_with_target", "steps", "train_s"]
+    cols = ["model", "arch", "parameters", "fps", "f1_30s", "f1_120s", "greedy_agreement_with_target", "steps",
+            "stages", "train_s"]
     lines = ["# The toy zoo", "",
              "Trained here by `python -m run +experiment=train_toy train.model=NAME`; evaluated by "
              "`python -m models.toy.card` on held-out seeds (0..n-1; training uses seeds >= 1e6). "
