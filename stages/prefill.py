@@ -91,4 +91,4 @@ class Prefill(Stage):
                 f"the prompt needs a context of {need} ({layout.n_video} visual tokens from {self.frames} frames "
                 f"+ {self.max_new_tokens} new tokens), beyond {self.lm.name}'s context of {limit}: sample fewer frames "
                 "(graph.nodes.decode.stage.fps=..., or num_frames=...) or prefill in groups with KV pruning "
-                "(+experiment=quickvideo)")
+                "(QuickPrefill)")
