@@ -10,6 +10,7 @@ resource is free. That is the best this graph could do on these resources with t
 from __future__ import annotations
 
 import heapq
+import math
 import resource as _resource
 import sys
 from typing import Any, Iterable
@@ -42,17 +43,24 @@ def ideal_wall_s(calls: list, workers: dict[str, int], pins: dict[str, int | Non
     return max((end for _, end in sched.values()), default=0.0)
 
 
-def stage_stats(calls: Iterable[Any], resources: dict[str, str]) -> dict[str, dict]:
+def stage_stats(calls: Iterable[Any], resources: dict[str, str], t_start: float = 0.0) -> dict[str, dict]:
+    """Per node: busy, blocked and engine seconds, calls, and the span from its first call's start
+    to its last call's end (start_s, end_s: seconds from `t_start`, the run's start)."""
     stats: dict[str, dict] = {}
     for c in calls:
         s = stats.setdefault(c.node, {"busy_s": 0.0, "calls": 0, "blocked_s": 0.0, "engine_s": 0.0,
-                                      "resource": resources[c.node]})
+                                      "resource": resources[c.node], "start_s": math.inf, "end_s": -math.inf})
         s["busy_s"] += c.busy
         s["blocked_s"] += c.blocked
         s["engine_s"] += c.engine
         s["calls"] += c.phase == "call"
-    rounded = ("busy_s", "blocked_s", "engine_s")
-    return {k: {**v, **{r: round(v[r], 6) for r in rounded}} for k, v in stats.items()}
+        if c.phase != "setup":
+            s["start_s"], s["end_s"] = min(s["start_s"], c.t0 - t_start), max(s["end_s"], c.t1 - t_start)
+    for s in stats.values():           # a node that only ran its setup has no span
+        if s["start_s"] == math.inf:
+            s["start_s"] = s["end_s"] = None
+    rounded = ("busy_s", "blocked_s", "engine_s", "start_s", "end_s")
+    return {k: {**v, **{r: round(v[r], 6) for r in rounded if v[r] is not None}} for k, v in stats.items()}
 
 
 def resource_busy(calls: Iterable[Any]) -> dict[str, float]:

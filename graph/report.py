@@ -6,21 +6,31 @@ It also runs by itself at the end of every `python -m run -m ...` (a Hydra callb
 show comes from the experiment's `report:` block, all optional:
 
     report:
-      columns: [graph, executor.runner, wall_s, efficiency]   # override keys, then metric keys
+      columns: [graph, executor.runner, wall_s, efficiency]   # override keys, metric keys, config keys
       baseline: {executor.runner: sequential}                 # adds speedup = baseline wall / wall
+      relative:                                               # a column over the baseline row's
+        - {name: f1_retention, of: summary.score.f1, baseline: {case: ar}}
+      derived:                                                # arithmetic over a row's columns
+        generation_s: wall_s - ttft_s                         # (+ - * /, min, max, numbers)
       plots:
         - {x: executor.runner, y: wall_s, hue: graph, where: {graph: demo}, title: ...}
+        - {x: case, y: [a_s, b_s], kind: stacked, where: {case: [ar, sequential]}}
 
-Without it: the swept keys, wall/ttft/decode/ideal/efficiency, and one bar plot of wall_s.
+A row holds the job's overrides, its metrics.json (nested keys joined by dots) and, for keys
+neither sets, its composed config (e.g. graph.prune.ratio). `where` values may be lists (any
+of). Rows match their baseline on the other swept keys. Without a `report:` block: the swept
+keys, wall/ttft/decode/ideal/efficiency, and one bar plot of wall_s.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import json
 import logging
 import math
+import operator
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +41,7 @@ log = logging.getLogger(__name__)
 DEFAULT_METRICS = ["wall_s", "ttft_s", "decode_s", "ideal_wall_s", "efficiency"]
 
 
-def _flatten(d: dict, prefix: str = "", depth: int = 2) -> dict[str, Any]:
+def _flatten(d: dict, prefix: str = "", depth: int = 3) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
@@ -73,21 +83,68 @@ def collect(sweep_dir: Path) -> tuple[list[dict], list[str], dict]:
             row["status"] = "failed: " + first[:120]
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             row["status"] = f"failed: unreadable metrics.json ({e})"
+        config = yaml.safe_load((job / ".hydra" / "config.yaml").read_text()) or {}
+        for key, value in _flatten({k: v for k, v in config.items() if k not in ("hydra", "report")}, depth=8).items():
+            row.setdefault(key, value)
         rows.append(row)
     override_keys = list(dict.fromkeys(k for r in rows for k in r.pop("_overrides")))
     swept = [k for k in override_keys if len({json.dumps(r.get(k), default=str) for r in rows}) > 1]
     return rows, swept, spec
 
 
-def add_speedup(rows: list[dict], swept: list[str], baseline: dict) -> None:
-    """speedup = wall of the matching baseline row / wall; rows match on the other swept keys."""
+def _matches(row: dict, where: dict) -> bool:
+    return all(row.get(k) in v if isinstance(v, list) else row.get(k) == v for k, v in (where or {}).items())
+
+
+def add_relative(rows: list[dict], swept: list[str], baseline: dict, of: str, name: str, invert: bool = False) -> None:
+    """row[name] = row[of] / (the matching baseline row's [of]), or its inverse; rows match on
+    the swept keys the baseline does not fix."""
     others = [k for k in swept if k not in baseline]
     base = {tuple(r.get(k) for k in others): r for r in rows
-            if all(r.get(k) == v for k, v in baseline.items()) and isinstance(r.get("wall_s"), (int, float))}
+            if _matches(r, baseline) and isinstance(r.get(of), (int, float))}
     for r in rows:
         b = base.get(tuple(r.get(k) for k in others))
-        if b and isinstance(r.get("wall_s"), (int, float)) and r["wall_s"] > 0:
-            r["speedup"] = round(b["wall_s"] / r["wall_s"], 3)
+        mine, theirs = r.get(of), (b or {}).get(of)
+        if not (isinstance(mine, (int, float)) and isinstance(theirs, (int, float))):
+            continue
+        num, den = (theirs, mine) if invert else (mine, theirs)
+        if den:
+            r[name] = round(num / den, 4)
+
+
+def add_speedup(rows: list[dict], swept: list[str], baseline: dict) -> None:
+    """speedup = wall of the matching baseline row / wall; rows match on the other swept keys."""
+    add_relative(rows, swept, baseline, "wall_s", "speedup", invert=True)
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def evaluate(expression: str, row: dict) -> float | None:
+    """A `derived:` expression over a row: column names (dotted), numbers, + - * /, min(), max().
+    None when a column is missing or not a number."""
+    def value(node):
+        if isinstance(node, ast.Expression):
+            return value(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("min", "max"):
+            return (min if node.func.id == "min" else max)(value(a) for a in node.args)
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            v = row.get(ast.unparse(node))
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise LookupError(ast.unparse(node))
+            return v
+        raise ValueError(f"derived: {expression!r}: only column names, numbers, + - * / min max")
+
+    try:
+        return value(ast.parse(expression, mode="eval"))
+    except (LookupError, ZeroDivisionError):
+        return None
 
 
 def _fmt(v: Any) -> str:
@@ -109,9 +166,13 @@ def plot(rows: list[dict], plots: list[dict], path: Path, swept: list[str]) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(plots), figsize=(6 * len(plots), 4.2), squeeze=False)
-    for ax, p in zip(axes[0], plots):
-        sel = [r for r in rows if all(r.get(k) == v for k, v in (p.get("where") or {}).items())]
+    ncols = min(3, len(plots))
+    nrows = math.ceil(len(plots) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4.2 * nrows), squeeze=False)
+    for ax in axes.flat[len(plots):]:
+        ax.set_visible(False)
+    for ax, p in zip(axes.flat, plots):
+        sel = [r for r in rows if _matches(r, p.get("where"))]
         ys = p["y"] if isinstance(p["y"], list) else [p["y"]]
         x = p.get("x")
         hue = p.get("hue")
@@ -119,7 +180,9 @@ def plot(rows: list[dict], plots: list[dict], path: Path, swept: list[str]) -> N
         groups = sorted({r.get(hue) for r in sel}, key=str) if hue else [None]
         series = [(y, g) for y in ys for g in groups]
         xs = list(dict.fromkeys(labels))
-        width = 0.8 / max(1, len(series))
+        stacked = p.get("kind") == "stacked"
+        width = 0.8 if stacked else 0.8 / max(1, len(series))
+        bottom = [0.0] * len(xs)
         for i, (y, g) in enumerate(series):
             vals = []
             for lab in xs:
@@ -129,12 +192,18 @@ def plot(rows: list[dict], plots: list[dict], path: Path, swept: list[str]) -> N
             label = " ".join(str(s) for s in (y if len(ys) > 1 else None, g) if s is not None) or y
             if p.get("kind") == "line":
                 ax.plot(xs, vals, marker="o", label=label)
+            elif stacked:
+                vals = [0.0 if math.isnan(v) else v for v in vals]
+                ax.bar(range(len(xs)), vals, width, bottom=bottom, label=label)
+                bottom = [b + v for b, v in zip(bottom, vals)]
             else:
                 ax.bar([j + i * width for j in range(len(xs))], vals, width, label=label)
-        if p.get("kind") != "line":
+        if stacked:
+            ax.set_xticks(range(len(xs)), xs, rotation=20, ha="right")
+        elif p.get("kind") != "line":
             ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(xs))], xs, rotation=20, ha="right")
         ax.set_xlabel(x or "job")
-        ax.set_ylabel(ys[0] if len(ys) == 1 else "value")
+        ax.set_ylabel(p.get("ylabel") or (ys[0] if len(ys) == 1 else "value"))
         ax.set_title(p.get("title") or f"{', '.join(ys)} by {x or 'job'}", fontsize=10)
         if len(series) > 1:
             ax.legend(fontsize=8)
@@ -153,6 +222,11 @@ def write_report(sweep_dir: str | Path) -> dict[str, Path]:
         raise FileNotFoundError(f"{sweep_dir}: no job dirs (with .hydra/) inside; is it a multirun dir?")
     if spec.get("baseline"):
         add_speedup(rows, swept, spec["baseline"])
+    for name, expression in (spec.get("derived") or {}).items():
+        for r in rows:
+            r[name] = evaluate(str(expression), r)
+    for rel in spec.get("relative") or []:
+        add_relative(rows, swept, rel["baseline"], rel["of"], rel["name"], bool(rel.get("invert")))
     columns = spec.get("columns") or ((swept or ["job"]) + [m for m in DEFAULT_METRICS if any(r.get(m) is not None for r in rows)])
     if any("speedup" in r for r in rows) and "speedup" not in columns:
         columns = columns + ["speedup"]

@@ -82,7 +82,7 @@ def run_metrics(result: RunResult, spec: GraphSpec, plan: Plan, first_token: str
         "n_calls": n_calls,
         "overhead_per_call_us": round((wall - ideal) / n_calls * 1e6, 2) if n_calls else None,
         "busy_s": round(sum(c.busy for c in calls), 6),
-        "stages": stage_stats(calls, {n.name: n.resource for n in plan.nodes}),
+        "stages": stage_stats(calls, {n.name: n.resource for n in plan.nodes}, result.t_start),
         "resources": resource_busy(calls),
         "ports": {k: {kk: (round(vv, 6) if isinstance(vv, float) else vv) for kk, vv in v.items()}
                   for k, v in result.port_times.items()},
@@ -156,10 +156,10 @@ def run_job(cfg: DictConfig, requests: list[Any], run_dir: Path) -> dict[str, An
         **{k: v for k, v in m0.items() if k != "request"},
         "memory": peak_memory(),
     }
+    metrics["summary"] = mean_tree(per_run)     # with one request: its own figures (sweeps read summary.*)
     if len(per_run) > 1:
         metrics["runs"] = per_run
         metrics["wall_s_mean"] = round(sum(m["wall_s"] for m in per_run) / len(per_run), 6)
-        metrics["summary"] = mean_tree(per_run)
         (run_dir / "summary.md").write_text(summary_table(per_run, metrics["summary"]))
         log.info("%d requests; means: %s", len(per_run), ", ".join(
             f"{k} {v}" for k, v in {**metrics["summary"].get("score", {}), "wall_s": metrics["summary"].get("wall_s")}.items()))

@@ -137,14 +137,23 @@ class VideoLM:
         x = embeds.to(self.device, self.dtype)[None]                       # [1, n, d]
         pos = positions.to(self.device)
         pos = pos[:, None, :] if self.arch == "qwen2_5_vl" else pos[:1]    # [3, 1, n] | [1, n]
-        mask = create_causal_mask(config=self.text_config, inputs_embeds=x, attention_mask=None,
-                                  past_key_values=cache)
+        # A cache pruned layer by layer (QuickPrefill) holds a different number of entries in
+        # each layer, so each distinct length gets its own mask (usually there is one).
+        masks: dict[int, object] = {}
+
+        def mask_for(i: int):
+            n_cached = cache.get_seq_length(i) if i < len(cache.layers) else 0
+            if n_cached not in masks:
+                masks[n_cached] = create_causal_mask(config=self.text_config, inputs_embeds=x, attention_mask=None,
+                                                     past_key_values=cache, layer_idx=i)
+            return masks[n_cached]
+
         rope = self.text.rotary_emb(x, pos)
         taps = set(taps)
         if 0 in taps and on_tap:
             on_tap(0, x[0])
         for i, layer in enumerate(self.text.layers):
-            x = layer(x, attention_mask=mask, position_embeddings=rope, past_key_values=cache, use_cache=True)
+            x = layer(x, attention_mask=mask_for(i), position_embeddings=rope, past_key_values=cache, use_cache=True)
             if i + 1 in taps and on_tap:
                 on_tap(i + 1, x[0])
         x = self.text.norm(x)[0]
@@ -187,21 +196,54 @@ class VideoLM:
 
     @staticmethod
     def crop(cache, n: int) -> None:
-        """Keep the first `n` cached entries (rollback after a rejected draft)."""
+        """Keep the first `n` cached entries (rollback after a rejected draft). A cache whose
+        layers were pruned to different lengths has no one "first n": use `drop_last`."""
+        lengths = set(VideoLM.layer_lengths(cache))
+        if len(lengths) > 1:
+            raise ValueError(f"crop to {n}: the cache's layers hold {sorted(lengths)} entries; use drop_last")
         drop = cache.get_seq_length() - n
         if drop < 0:
             raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} entries to {n}")
-        if drop:
-            cache.crop(-drop)      # transformers 5: a negative count of entries to drop
+        VideoLM.drop_last(cache, drop)
 
     @staticmethod
-    def keep(cache, indices: torch.Tensor) -> None:
-        """Keep only the cached entries at `indices` (sorted, int64), in every layer. Each entry
-        keeps the rotary position it was computed with, so the pruned cache attends as before."""
-        for layer in cache.layers:
-            idx = indices.to(layer.keys.device)
+    def drop_last(cache, k: int) -> None:
+        """Drop the last `k` entries of every layer (whatever each layer's length)."""
+        if k < 0 or k > min(VideoLM.layer_lengths(cache), default=0):
+            raise ValueError(f"cannot drop {k} entries from layers of {VideoLM.layer_lengths(cache)}")
+        if k:
+            cache.crop(-k)         # transformers 5: a negative count of entries to drop, per layer
+
+    @staticmethod
+    def keep(cache, indices) -> None:
+        """Keep only the cached entries at `indices` (sorted, int64): one tensor for every layer,
+        or a list with one per layer (each layer keeps its own set). Each entry keeps the rotary
+        position it was computed with, so the pruned cache attends as before."""
+        per_layer = indices if isinstance(indices, (list, tuple)) else [indices] * len(cache.layers)
+        if len(per_layer) != len(cache.layers):
+            raise ValueError(f"{len(per_layer)} index sets for a cache of {len(cache.layers)} layers")
+        for layer, idx in zip(cache.layers, per_layer):
+            idx = idx.to(layer.keys.device)
             layer.keys = layer.keys.index_select(-2, idx)
             layer.values = layer.values.index_select(-2, idx)
+
+    @staticmethod
+    def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s (0-based) cached keys and values, [kv_heads, n_cached, head_dim] each;
+        keys carry their rotary positions."""
+        entry = cache.layers[layer]
+        return entry.keys[0], entry.values[0]
+
+    @staticmethod
+    def layer_lengths(cache) -> list[int]:
+        """Entries cached in each layer (they differ once layers are pruned separately)."""
+        return [cache.get_seq_length(i) for i in range(len(cache.layers))]
+
+    @staticmethod
+    def cache_bytes(cache) -> int:
+        """Bytes the cache's keys and values hold, all layers."""
+        return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+                   if t is not None)
 
     # ----------------------------------------------------------------------------- vision
 

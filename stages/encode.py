@@ -38,6 +38,8 @@ class VisionEncoder(Stage):
         self.carry, self.frames_in, self.index = None, 0, 0
 
     def __call__(self, ctx, group: FrameGroup):
+        if ctx.item == 0:          # a new run (the last one may have been cancelled midway)
+            self._reset()
         frames = group.frames if self.carry is None else torch.cat([self.carry, group.frames])
         self.carry = None
         step = self.lm.frames_per_step

@@ -53,5 +53,6 @@ class Generate(Stage):
             n += 1
         text = lm.tokenizer.decode(out, skip_special_tokens=True)
         meta = {"model": lm.name, "n_video_tokens": kv.meta.get("n_video_tokens"),
-                "prompt_tokens": kv.logical_length, "stopped": "eos" if out[-1] in lm.eos_ids else "max_new_tokens"}
+                "prompt_tokens": kv.logical_length, "stopped": "eos" if out[-1] in lm.eos_ids else "max_new_tokens",
+                "prefill": kv.meta.get("prefill")}
         return {"tokens": Tokens(out, text, meta)}

@@ -1,21 +1,31 @@
 """prefill: the prompt (text + visual tokens) into the model's KV cache.
 
     Prefill(mode="one_shot")   waits for the whole video, then one forward over the prompt
-    Prefill(mode="groups")     prefills each visual-token group as it arrives (the prefix text
-                               with the first), then the text after the video: decoding and
-                               encoding overlap the prefill (QuickVideo's group prefill, unpruned)
+    Prefill(mode="groups")     QuickPrefill: the video's tokens are prefilled group by group as
+                               they arrive (the prefix text with the first group), each group
+                               optionally pruned (`prune`) before the next attends to it, then
+                               the text after the video, never pruned
 
 Every token is prefilled at its position in the unpruned prompt (models.adapter.Layout), so
-both modes give the same cache up to float rounding, and the same tokens as generate().
-The result is a KV: the cache, its logical length, the layout and the last token's logits.
+both modes give the same cache up to float rounding when nothing is pruned, and a pruned cache
+decodes at the logical positions: the KV's logical length counts the pruned tokens.
+
+Groups are `group_frames` frames (rounded up to the model's temporal patch, 2 frames for
+Qwen2.5-VL), cut from the incoming visual tokens whatever the decoder's own group size, so the
+decoder's streaming grain and the prefill's memory grain are separate knobs. Peak activation
+memory is one group's; the cache is what pruning shrinks.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from graph.stage import In, Out, Stage
+from models.memory import PeakMemory
 from models.registry import get_model
+from stages.prune import GroupKVPrune
 from stages.types import KV, Request, VisualTokens
 
 DEFAULT_PROMPT = "describe the video ."
@@ -26,14 +36,31 @@ class ContextTooLong(ValueError):
 
 
 class Prefill(Stage):
+    """mode: one_shot | groups; group_frames: frames per prefill group (groups mode; 0 = as the
+    encoder delivers them); prune: null, or {importance, ratio, start_layer, decay, seed}
+    (stages.prune.GroupKVPrune; groups mode); measure_memory: record each group's peak memory
+    (models.memory.PeakMemory: on a GPU this synchronises once per group)."""
+
     placement = "gpu"
     inputs = {"tokens": In(VisualTokens, stream=True), "request": In(Request)}
     outputs = {"kv": Out(KV)}
 
-    def __init__(self, model: dict, mode: str = "one_shot", max_new_tokens: int = 256):
+    def __init__(self, model: dict, mode: str = "one_shot", max_new_tokens: int = 256, group_frames: int = 0,
+                 prune: dict | None = None, measure_memory: bool = False):
         if mode not in ("one_shot", "groups"):
             raise ValueError(f"mode must be one_shot or groups, got {mode!r}")
+        if group_frames < 0:
+            raise ValueError(f"group_frames must be ≥ 0 (0: the encoder's groups), got {group_frames}")
+        if prune and mode != "groups":
+            raise ValueError("prune needs mode=groups (QuickPrefill prunes each group as it is prefilled)")
         self.model, self.mode, self.max_new_tokens = dict(model), mode, max_new_tokens
+        self.group_frames, self.measure_memory = group_frames, measure_memory
+        self.prune = dict(prune) if prune else None
+        if self.prune:
+            unknown = set(self.prune) - {"importance", "ratio", "start_layer", "decay", "seed"}
+            if unknown:
+                raise ValueError(f"prune: unknown keys {sorted(unknown)}; known: importance, ratio, start_layer, decay, seed")
+            GroupKVPrune(**self.prune)    # validate now, before any weights load
         self.lm = None
 
     def setup(self, ctx) -> None:
@@ -41,44 +68,108 @@ class Prefill(Stage):
         self._reset()
 
     def _reset(self) -> None:
-        self.groups, self.frames, self.cache, self.done, self.video_done = [], 0, None, 0, 0
-        self.meta = None
+        self.pending, self.pending_frames = [], 0        # arrived, not yet prefilled (embeds, frames)
+        self.frames, self.cache, self.done, self.video_done = 0, None, 0, 0
+        self.meta, self.groups, self.peaks = None, 0, []
+        self.pruner = GroupKVPrune(**self.prune) if self.prune else None
 
     def _layout(self, request: Request, frames: int):
         prompt = request.prompt if request and request.prompt else DEFAULT_PROMPT
         return self.lm.layout(prompt, frames, self.meta["frame_hw"], self.meta["fps"])
 
     def __call__(self, ctx, tokens: VisualTokens, request: Request):
+        if ctx.item == 0:          # a new run (the last one may have been cancelled midway)
+            self._reset()
         self.meta = self.meta or tokens.meta
-        self.frames += tokens.meta["frames"]
+        self.pending.append(tokens.embeds)
+        self.pending_frames += tokens.meta["frames"]
         if self.mode == "one_shot":
-            self.groups.append(tokens.embeds)
             return {}
-        # groups: the prefix text (first time) and this group, at their positions in the full prompt
+        for embeds, frames in self._cut_groups(last=tokens.last):
+            self._prefill_group(request, embeds, frames)
+            ctx.check()
+        return {}
+
+    def _cut_groups(self, last: bool):
+        """Whole groups of `group_frames` frames from what has arrived (all of it when `last`)."""
+        step = self.lm.frames_per_step
+        size = math.ceil(self.group_frames / step) * step if self.group_frames else 0
+        if not size:
+            if self.pending:
+                yield torch.cat(self.pending), self.pending_frames
+            self.pending, self.pending_frames = [], 0
+            return
+        hw = self.meta["frame_hw"]
+        # visual tokens per temporal step (LLaVA-OneVision's one newline token rides at the end)
+        per_step = self.lm.video_token_count(2 * step, hw)[0] - self.lm.video_token_count(step, hw)[0]
+        while self.pending_frames >= size or (last and self.pending_frames):
+            embeds = torch.cat(self.pending)
+            frames = size if self.pending_frames > size or not last else self.pending_frames
+            n = per_step * (frames // step) if frames < self.pending_frames else embeds.shape[0]
+            yield embeds[:n], frames
+            rest = embeds[n:]
+            self.pending = [rest] if rest.shape[0] else []
+            self.pending_frames -= frames
+
+    def _prefill_group(self, request: Request, embeds: torch.Tensor, frames: int) -> None:
+        """The prefix text (first time) and this group, at their positions in the full prompt;
+        then the group's entries pruned in every layer."""
+        self.frames += frames
         layout = self._layout(request, self.frames)
         self._check_context(layout)
         if self.cache is None:
             self.cache = self.lm.new_cache()
-        n = tokens.embeds.shape[0]
+        n = embeds.shape[0]
         stop = layout.video_start + self.video_done + n
         offset = layout.video_start + self.video_done - self.done     # where this group's rows start in the span
-        embeds = self.lm.embed(layout.ids[self.done:stop], tokens.embeds, offset)
-        self.lm.prefill(self.cache, embeds, layout.positions[:, self.done:stop], logits="none")
-        self.video_done, self.done = self.video_done + n, stop
-        return {}
+        with PeakMemory(self.lm.device) if self.measure_memory else _NoProbe() as probe:
+            self.lm.prefill(self.cache, self.lm.embed(layout.ids[self.done:stop], embeds, offset),
+                            layout.positions[:, self.done:stop], logits="none")
+            if self.pruner is not None:
+                self._prune_group(layout, n)
+        self.peaks.append(probe.peak_bytes)
+        self.video_done, self.done, self.groups = self.video_done + n, stop, self.groups + 1
+
+    def _prune_group(self, layout, n: int) -> None:
+        lm, attention = self.lm, None
+        if self.pruner.needs_attention:
+            # the question as if the video ended here; its own entries leave the cache again
+            end = layout.video_start + layout.n_video
+            query = layout.ids[end:]
+            attention = lm.attention_scores(self.cache, lm.embed(query), layout.positions[:, end:],
+                                            layers=range(1, len(self.cache.layers) + 1))
+            lm.drop_last(self.cache, query.shape[0])
+        keep = self.pruner.select(lambda layer: lm.layer_kv(self.cache, layer), lm.layer_lengths(self.cache), n,
+                                  attention)
+        if keep is not None:
+            lm.keep(self.cache, keep)
 
     def finish(self, ctx):
         request = ctx.request
-        layout = self._layout(request, self.frames)
-        self._check_context(layout)
         if self.mode == "one_shot":
-            video = torch.cat(self.groups)
+            self.frames = self.pending_frames
+            layout = self._layout(request, self.frames)
+            self._check_context(layout)
             self.cache = self.lm.new_cache()
-            logits = self.lm.prefill(self.cache, self.lm.embed(layout.ids, video, layout.video_start), layout.positions)
+            logits = self.lm.prefill(self.cache, self.lm.embed(layout.ids, torch.cat(self.pending), layout.video_start),
+                                     layout.positions)
         else:
+            layout = self._layout(request, self.frames)
             logits = self.lm.prefill(self.cache, self.lm.embed(layout.ids[self.done:]), layout.positions[:, self.done:])
+        lengths = self.lm.layer_lengths(self.cache)
+        text = layout.length - layout.n_video
+        kept = [n - text for n in lengths]
+        peaks = [p for p in self.peaks if p is not None]
+        stats = {"mode": self.mode, "groups": self.groups if self.mode == "groups" else 1,
+                 "group_frames": self.group_frames or None, "logical_length": layout.length,
+                 "video_tokens": layout.n_video, "video_tokens_kept": kept,
+                 "retention": round(sum(kept) / (len(kept) * layout.n_video), 6) if layout.n_video else 1.0,
+                 "kv_bytes": self.lm.cache_bytes(self.cache),
+                 "peak_group_bytes": max(peaks) if peaks else None,
+                 "prune": self.pruner.describe() if self.pruner else None}
         kv = KV(self.cache, layout.length, {"layout": layout, "logits": logits, "model": self.lm.name,
-                                            "n_video_tokens": layout.n_video, "frames": self.frames})
+                                            "n_video_tokens": layout.n_video, "frames": self.frames,
+                                            "prefill": stats})
         self._reset()
         return {"kv": kv}
 
@@ -92,3 +183,13 @@ class Prefill(Stage):
                 f"+ {self.max_new_tokens} new tokens), beyond {self.lm.name}'s context of {limit}: sample fewer frames "
                 "(graph.nodes.decode.stage.fps=..., or num_frames=...) or prefill in groups with KV pruning "
                 "(QuickPrefill)")
+
+
+class _NoProbe:
+    peak_bytes = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None

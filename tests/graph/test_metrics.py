@@ -260,10 +260,14 @@ def test_stage_stats_excludes_blocked_and_counts_only_calls():
     r.add("prefill", "gpu", 0.0, 0.0625, phase="setup")
     stats = stage_stats(r.calls, {"decode": "cpu", "prefill": "gpu"})
     assert set(stats) == {"decode", "prefill"}
+    calls = {n: [c for c in r.calls if c.node == n and c.phase != "setup"] for n in ("decode", "prefill")}
+    spans = {n: {"start_s": pytest.approx(min(c.t0 for c in cs)), "end_s": pytest.approx(max(c.t1 for c in cs))}
+             for n, cs in calls.items()}
     assert stats["decode"] == {"busy_s": pytest.approx(0.625), "calls": 2, "blocked_s": pytest.approx(0.5),
-                               "engine_s": pytest.approx(0.5), "resource": "cpu"}
+                               "engine_s": pytest.approx(0.5), "resource": "cpu", **spans["decode"]}
     assert stats["prefill"] == {"busy_s": pytest.approx(1.0625), "calls": 1, "blocked_s": pytest.approx(0.125),
-                                "engine_s": pytest.approx(0.125), "resource": "gpu"}
+                                "engine_s": pytest.approx(0.125), "resource": "gpu", **spans["prefill"]}
+    assert stats["prefill"]["start_s"] == pytest.approx(0.5)      # its setup (at 0) is not part of the run
     assert isinstance(stats["decode"]["calls"], int)
 
 

@@ -1,0 +1,133 @@
+"""prune: choosing which cached entries (or visual tokens) to keep.
+
+QuickPrefill (QuickVideo §3.2, Eq. 2) prunes each group's KV cache right after the group is
+prefilled, before the next group attends to it, keeping the top ⌈ρ·n⌉ of the group's n entries
+by an importance score:
+
+    key_norm     s = −‖K‖   small keys matter most (the seed's default; Devoto et al. 2024)
+    value_norm   s = +‖V‖
+    attention    s = the text query's attention to the entry
+    random       s ~ U(0, 1)   (the floor any score must beat)
+
+Choices the seed leaves open, and what we do:
+- Heads. One kept set per layer, shared by all its heads (a cache row is one token in every
+  head): norms are taken over the layer's keys (or values) of all KV heads together, the
+  L2 norm of the token's [kv_heads · head_dim] vector, as the seed writes ‖K_g^(l)‖.
+- Layers. Each layer scores and keeps its own set, so layers hold different entries and lengths
+  (the adapter masks each layer for its own length). `start_layer` leaves the layers below it
+  unpruned; `decay` shrinks the ratio layer by layer above it: ρ_l = ρ · decay^(l − start_layer).
+- Rounding. k = ⌈ρ_l · n⌉ (at least one entry for ρ > 0), so ρ = 1 keeps everything and a tiny
+  group is never emptied.
+- Attention. The question comes after the video, so when a group is pruned its text is not in
+  the cache yet: the text after the video is run over the cache at the positions it would have
+  if the video ended with this group, its attention probabilities (averaged over heads and
+  query tokens) score the group's entries, and its own entries are dropped again. Probabilities
+  rank the entries of one query row as its logits q·k do (softmax is monotone); averaging
+  probabilities rather than logits keeps one row's outliers from dominating.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+IMPORTANCE = ("key_norm", "value_norm", "attention", "random")
+
+
+# ------------------------------------------------------------------------------ pure math
+
+def keep_count(n: int, ratio: float) -> int:
+    """⌈ratio · n⌉ entries of n (rounded before the ceiling so 0.1 · 30 is 3, not 4)."""
+    if not 0 < ratio <= 1:
+        raise ValueError(f"retention ratio must be in (0, 1], got {ratio}")
+    return min(n, math.ceil(round(ratio * n, 9)))
+
+
+def layer_ratios(n_layers: int, ratio: float, start_layer: int = 0, decay: float = 1.0) -> list[float]:
+    """ρ_l for layers 0..n_layers−1: 1 below `start_layer`, ρ · decay^(l − start_layer) from it."""
+    return [1.0 if layer < start_layer else ratio * decay ** (layer - start_layer) for layer in range(n_layers)]
+
+
+def key_norm_scores(keys: torch.Tensor) -> torch.Tensor:
+    """keys [kv_heads, n, head_dim] -> [n]: −‖k‖ over all heads (small keys score high)."""
+    return -keys.float().square().sum(dim=(0, 2)).sqrt()
+
+
+def value_norm_scores(values: torch.Tensor) -> torch.Tensor:
+    """values [kv_heads, n, head_dim] -> [n]: +‖v‖ over all heads."""
+    return values.float().square().sum(dim=(0, 2)).sqrt()
+
+
+def attention_entry_scores(probs: torch.Tensor) -> torch.Tensor:
+    """probs [n_query, n] (already averaged over heads) -> [n]: mean attention each entry gets."""
+    return probs.float().mean(0)
+
+
+def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the k highest scores, in ascending order (cache order), int64 [k]."""
+    return torch.topk(scores, k).indices.sort().values
+
+
+# ------------------------------------------------------------------------------ the policy
+
+class GroupKVPrune:
+    """QuickPrefill's per-group KV pruning, applied by the group prefill after each group.
+
+    importance: key_norm | value_norm | attention | random; ratio: ρ in (0, 1]; start_layer,
+    decay: see the module docstring; seed: for `random`."""
+
+    def __init__(self, importance: str = "key_norm", ratio: float = 0.5, start_layer: int = 0,
+                 decay: float = 1.0, seed: int = 0):
+        if importance not in IMPORTANCE:
+            raise ValueError(f"prune.importance must be one of {', '.join(IMPORTANCE)}, got {importance!r}")
+        keep_count(1, ratio)      # validates ratio
+        if start_layer < 0:
+            raise ValueError(f"prune.start_layer must be ≥ 0, got {start_layer}")
+        if not 0 < decay <= 1:
+            raise ValueError(f"prune.decay must be in (0, 1], got {decay}")
+        self.importance, self.ratio, self.start_layer, self.decay = importance, ratio, start_layer, decay
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def needs_attention(self) -> bool:
+        return self.importance == "attention"
+
+    def ratios(self, n_layers: int) -> list[float]:
+        return layer_ratios(n_layers, self.ratio, self.start_layer, self.decay)
+
+    def select(self, layer_kv, lengths: list[int], n_group: int,
+               attention: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+        """Which entries each layer keeps once the last `n_group` entries (the group's visual
+        tokens) are scored: a list of sorted int64 index tensors, one per layer (earlier entries
+        are all kept), or None when every layer keeps everything.
+
+        layer_kv(l) -> (keys, values) [kv_heads, n_l, head_dim] of layer l; lengths: n_l;
+        attention: layer l+1 -> probs [n_query, n_l + n_query] (the adapter's numbering) when
+        importance is attention."""
+        keep, pruned = [], False
+        for layer, (n_cached, rho) in enumerate(zip(lengths, self.ratios(len(lengths)))):
+            start, k = n_cached - n_group, keep_count(n_group, rho)
+            if k == n_group:
+                keep.append(torch.arange(n_cached))
+                continue
+            scores = self._scores(layer_kv, layer, start, n_cached, attention)
+            keep.append(torch.cat([torch.arange(start), start + top_k_indices(scores, k).cpu()]))
+            pruned = True
+        return keep if pruned else None
+
+    def _scores(self, layer_kv, layer: int, start: int, stop: int, attention) -> torch.Tensor:
+        if self.importance == "random":
+            return torch.rand(stop - start, generator=self.generator)
+        if self.importance == "attention":
+            if attention is None or layer + 1 not in attention:
+                raise ValueError("attention importance needs the text query's attention for every layer")
+            return attention_entry_scores(attention[layer + 1][:, start:stop])
+        keys, values = layer_kv(layer)
+        if self.importance == "key_norm":
+            return key_norm_scores(keys[:, start:stop])
+        return value_norm_scores(values[:, start:stop])
+
+    def describe(self) -> dict:
+        return {"importance": self.importance, "ratio": self.ratio, "start_layer": self.start_layer,
+                "decay": self.decay}

@@ -1,0 +1,111 @@
+"""QuickPrefill's pruning math (stages/prune.py) on hand-made tensors: the rounding, the per-layer
+ratios, what each importance keeps, and that each layer keeps its own set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stages.prune import (GroupKVPrune, attention_entry_scores, keep_count, key_norm_scores, layer_ratios,
+                          top_k_indices, value_norm_scores)
+
+
+@pytest.mark.parametrize("n, ratio, k", [(10, 0.5, 5), (7, 0.5, 4), (30, 0.1, 3), (1, 0.1, 1), (27, 1.0, 27),
+                                         (27, 0.2, 6), (100, 0.3, 30)])
+def test_keep_count_is_the_ceiling_of_ratio_times_n(n, ratio, k):
+    assert keep_count(n, ratio) == k
+
+
+@pytest.mark.parametrize("ratio", [0, -0.5, 1.5])
+def test_keep_count_refuses_ratios_outside_zero_one(ratio):
+    with pytest.raises(ValueError, match="retention ratio"):
+        keep_count(10, ratio)
+
+
+def test_layer_ratios_leave_layers_below_start_unpruned_and_decay_above():
+    assert layer_ratios(5, 0.5, start_layer=2, decay=0.5) == [1.0, 1.0, 0.5, 0.25, 0.125]
+    assert layer_ratios(3, 0.4) == [0.4, 0.4, 0.4]
+
+
+def _kv(norms_by_head):
+    """keys [heads, n, 2] whose per-token L2 norm over all heads is set by `norms_by_head`."""
+    t = torch.tensor(norms_by_head, dtype=torch.float32)      # [heads, n]
+    return torch.stack([t, torch.zeros_like(t)], dim=-1)
+
+
+def test_key_norm_keeps_the_smallest_keys_over_all_heads_value_norm_the_largest_values():
+    keys = _kv([[3.0, 1.0, 2.0, 0.5], [0.0, 1.0, 2.0, 0.5]])     # norms over heads: 3, 1.41, 2.83, 0.71
+    assert torch.allclose(key_norm_scores(keys), -torch.tensor([3.0, 2 ** 0.5, 8 ** 0.5, 0.5 ** 0.5]))
+    assert top_k_indices(key_norm_scores(keys), 2).tolist() == [1, 3]
+    assert top_k_indices(value_norm_scores(keys), 2).tolist() == [0, 2]
+
+
+def test_attention_scores_average_the_query_rows():
+    probs = torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.1, 0.4]])
+    assert torch.allclose(attention_entry_scores(probs), torch.tensor([0.3, 0.35, 0.35]))
+
+
+def _cache(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(2, n, 4, generator=g), torch.randn(2, n, 4, generator=g)) for n in lengths]
+
+
+@pytest.mark.parametrize("importance", ["key_norm", "value_norm", "random"])
+def test_select_keeps_earlier_entries_and_ceil_of_the_group_in_every_layer(importance):
+    lengths, n_group = [40, 31, 25], 12       # layers already pruned to different lengths
+    layers = _cache(lengths)
+    keep = GroupKVPrune(importance, ratio=0.3).select(lambda i: layers[i], lengths, n_group)
+    for n, idx in zip(lengths, keep):
+        start = n - n_group
+        assert idx[:start].tolist() == list(range(start))                  # nothing before the group is touched
+        chosen = idx[start:]
+        assert len(chosen) == keep_count(n_group, 0.3) == 4
+        assert chosen.tolist() == sorted(set(chosen.tolist())) and chosen.min() >= start and chosen.max() < n
+    if importance == "key_norm":
+        keys = layers[0][0][:, lengths[0] - n_group:]
+        expected = (lengths[0] - n_group + keys.square().sum((0, 2)).argsort()[:4]).sort().values
+        assert keep[0][lengths[0] - n_group:].tolist() == expected.tolist()
+
+
+def test_each_layer_chooses_its_own_set():
+    lengths = [20, 20]
+    layers = _cache(lengths, seed=3)
+    keep = GroupKVPrune("key_norm", ratio=0.5).select(lambda i: layers[i], lengths, 10)
+    assert keep[0].tolist() != keep[1].tolist()
+
+
+def test_select_with_attention_reads_the_group_columns_of_each_layer():
+    lengths, n_group = [8, 6], 4
+    attention = {1: torch.tensor([[0, 0, 0, 0, 0.1, 0.9, 0.2, 0.8, 0.5]]),      # + one query column
+                 2: torch.tensor([[0, 0, 0.7, 0.1, 0.6, 0.2, 0.4]])}
+    keep = GroupKVPrune("attention", ratio=0.5).select(lambda i: None, lengths, n_group, attention)
+    assert keep[0].tolist() == [0, 1, 2, 3, 5, 7]
+    assert keep[1].tolist() == [0, 1, 2, 4]
+    with pytest.raises(ValueError, match="attention"):
+        GroupKVPrune("attention", ratio=0.5).select(lambda i: None, lengths, n_group, None)
+
+
+def test_start_layer_and_ratio_one_keep_everything():
+    lengths = [16, 16, 16]
+    layers = _cache(lengths)
+    assert GroupKVPrune(ratio=1.0).select(lambda i: layers[i], lengths, 8) is None
+    keep = GroupKVPrune(ratio=0.5, start_layer=2).select(lambda i: layers[i], lengths, 8)
+    assert [len(k) for k in keep] == [16, 16, 12]
+
+
+def test_random_importance_is_reproducible_from_its_seed():
+    lengths = [30]
+    layers = _cache(lengths)
+    a = GroupKVPrune("random", 0.4, seed=5).select(lambda i: layers[i], lengths, 20)
+    b = GroupKVPrune("random", 0.4, seed=5).select(lambda i: layers[i], lengths, 20)
+    c = GroupKVPrune("random", 0.4, seed=6).select(lambda i: layers[i], lengths, 20)
+    assert a[0].tolist() == b[0].tolist() != c[0].tolist()
+
+
+@pytest.mark.parametrize("kwargs, match", [({"importance": "l1"}, "importance must be one of"),
+                                           ({"ratio": 0.0}, "retention ratio"),
+                                           ({"start_layer": -1}, "start_layer"),
+                                           ({"decay": 1.5}, "decay")])
+def test_bad_settings_are_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GroupKVPrune(**kwargs)
