@@ -29,6 +29,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from graph.context import Cancelled
+from graph.metrics import cpu_seconds
 from graph.schedule import Plan, PlannedChannel
 from graph.spec import GraphSpec
 from graph.stage import Stage
@@ -107,6 +108,7 @@ class RunResult:
     t_start: float
     t_end: float
     port_times: dict[str, dict]           # "node.port" -> {items, first_s, last_s} relative to start
+    cpu_s: float | None = None            # CPU seconds of this process and its children during the run
 
     @property
     def wall_s(self) -> float:
@@ -307,6 +309,7 @@ class Executor:
         bar = tqdm(desc=f"run {getattr(request, 'id', '')}".strip(), unit="call", leave=False,
                    disable=None if self.progress is None else not self.progress)
         self._bar = bar
+        cpu_start = cpu_seconds()
         self.t_start = time.perf_counter()
         try:
             with self.cv:
@@ -327,7 +330,9 @@ class Executor:
         finally:
             bar.close()
         t_end = time.perf_counter()
-        return RunResult(request, self._outputs, self._records, self.t_start, t_end, self._port_times)
+        cpu_end = cpu_seconds()
+        cpu = round(cpu_end - cpu_start, 6) if cpu_start is not None and cpu_end is not None else None
+        return RunResult(request, self._outputs, self._records, self.t_start, t_end, self._port_times, cpu)
 
     def _dispatch(self, order: dict[str, int]) -> bool:
         """Start every ready call that has a free worker. Caller holds self.cv."""

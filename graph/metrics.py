@@ -86,6 +86,28 @@ def peak_memory() -> dict[str, int | None]:
             "peak_cuda_bytes": cuda}
 
 
+def cpu_seconds() -> float | None:
+    """CPU seconds (user + system) used so far by this process, all its threads, and its child
+    processes, live (read from /proc) or reaped: the work a run did on the cores, wherever it ran
+    (decoder processes included). None where /proc is missing."""
+    import os
+
+    me, reaped = _resource.getrusage(_resource.RUSAGE_SELF), _resource.getrusage(_resource.RUSAGE_CHILDREN)
+    total = me.ru_utime + me.ru_stime + reaped.ru_utime + reaped.ru_stime
+    if not os.path.isdir("/proc/self"):
+        return None
+    tick, parent = os.sysconf("SC_CLK_TCK"), os.getpid()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()      # after "(comm)", which may hold spaces
+        except OSError:
+            continue                                               # gone meanwhile
+        if int(fields[1]) == parent:                               # fields: state ppid ... utime(11) stime(12)
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 def mean_tree(runs: list[dict]) -> dict:
     """The mean of every numeric leaf the runs share (nested dicts recursed; booleans, strings
     and lists skipped): the summary of a multi-request run."""

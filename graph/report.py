@@ -12,6 +12,7 @@ show comes from the experiment's `report:` block, all optional:
         - {name: f1_retention, of: summary.score.f1, baseline: {case: ar}}
       derived:                                                # arithmetic over a row's columns
         generation_s: wall_s - ttft_s                         # (+ - * /, min, max, numbers)
+        gain_s: {expr: seq.ttft_s - ttft_s, where: {case: overlapped}, with: {seq: {case: sequential}}}
       plots:
         - {x: executor.runner, y: wall_s, hue: graph, where: {graph: demo}, title: ...}
         - {x: case, y: [a_s, b_s], kind: stacked, where: {case: [ar, sequential]}}
@@ -117,12 +118,38 @@ def add_speedup(rows: list[dict], swept: list[str], baseline: dict) -> None:
     add_relative(rows, swept, baseline, "wall_s", "speedup", invert=True)
 
 
+def add_derived(rows: list[dict], swept: list[str], name: str, expression: str | dict) -> None:
+    """row[name] = the expression's value. A dict {expr, where, with: {alias: where}} computes it
+    only for rows matching `where`, and lets it read `alias.column` from the row that matches the
+    alias's filter and agrees on the other swept keys (e.g. the sequential run of the same data)."""
+    if isinstance(expression, str):
+        expression = {"expr": expression}
+    refs = expression.get("with") or {}
+    for r in rows:
+        if not _matches(r, expression.get("where")):
+            continue
+        others = {}
+        for alias, where in refs.items():
+            keys = [k for k in swept if k not in where]
+            found = [o for o in rows if _matches(o, where) and all(o.get(k) == r.get(k) for k in keys)]
+            if found:
+                others[alias] = found[0]
+        r[name] = evaluate(str(expression["expr"]), r, others) if len(others) == len(refs) else None
+
+
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
-def evaluate(expression: str, row: dict) -> float | None:
-    """A `derived:` expression over a row: column names (dotted), numbers, + - * /, min(), max().
-    None when a column is missing or not a number."""
+def evaluate(expression: str, row: dict, others: dict[str, dict] | None = None) -> float | None:
+    """A `derived:` expression over a row: column names (dotted), numbers, + - * /, min(), max();
+    `alias.column` reads another row (`others`: alias -> row). None when a column is missing or
+    not a number."""
+    others = others or {}
+
+    def column(name: str):
+        alias, _, rest = name.partition(".")
+        return others[alias].get(rest) if alias in others and rest else row.get(name)
+
     def value(node):
         if isinstance(node, ast.Expression):
             return value(node.body)
@@ -135,7 +162,7 @@ def evaluate(expression: str, row: dict) -> float | None:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("min", "max"):
             return (min if node.func.id == "min" else max)(value(a) for a in node.args)
         if isinstance(node, (ast.Name, ast.Attribute)):
-            v = row.get(ast.unparse(node))
+            v = column(ast.unparse(node))
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise LookupError(ast.unparse(node))
             return v
@@ -222,9 +249,10 @@ def write_report(sweep_dir: str | Path) -> dict[str, Path]:
         raise FileNotFoundError(f"{sweep_dir}: no job dirs (with .hydra/) inside; is it a multirun dir?")
     if spec.get("baseline"):
         add_speedup(rows, swept, spec["baseline"])
-    for name, expression in (spec.get("derived") or {}).items():
-        for r in rows:
-            r[name] = evaluate(str(expression), r)
+    derived = spec.get("derived") or {}
+    for _ in range(len(derived)):      # as many passes as entries: one may use another, in any order
+        for name, expression in derived.items():
+            add_derived(rows, swept, name, expression)
     for rel in spec.get("relative") or []:
         add_relative(rows, swept, rel["baseline"], rel["of"], rel["name"], bool(rel.get("invert")))
     columns = spec.get("columns") or ((swept or ["job"]) + [m for m in DEFAULT_METRICS if any(r.get(m) is not None for r in rows)])

@@ -82,6 +82,8 @@ def run_metrics(result: RunResult, spec: GraphSpec, plan: Plan, first_token: str
         "n_calls": n_calls,
         "overhead_per_call_us": round((wall - ideal) / n_calls * 1e6, 2) if n_calls else None,
         "busy_s": round(sum(c.busy for c in calls), 6),
+        "cpu_s": result.cpu_s,
+        "cores": plan.cores,
         "stages": stage_stats(calls, {n.name: n.resource for n in plan.nodes}, result.t_start),
         "resources": resource_busy(calls),
         "ports": {k: {kk: (round(vv, 6) if isinstance(vv, float) else vv) for kk, vv in v.items()}

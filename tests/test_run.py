@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from graph.session import prepare
 
@@ -202,3 +203,32 @@ def test_caption_eval_scores_each_video_and_summarises(tmp_path):
     assert metrics["summary"]["score"]["f1"] == pytest.approx(sum(f1) / 2, abs=1e-6)
     table = (tmp_path / "summary.md").read_text()
     assert "| s50-8s |" in table and "**mean**" in table and "| generate |" in table
+
+
+@pytest.mark.parametrize("case", sorted(p.stem for p in (ROOT / "conf" / "qv_case").glob("*.yaml")))
+def test_every_quickvideo_bench_case_composes_and_its_prefill_builds(case):
+    from stages.prefill import Prefill
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=bench_quickvideo", f"qv_case={case}"])
+    prepare(cfg)
+    stage = {k: v for k, v in OmegaConf.to_container(cfg.graph.nodes.prefill.stage, resolve=True).items() if k != "_target_"}
+    Prefill(**stage)          # validates mode, group_frames and the prune block; loads nothing
+
+
+def test_quickvideo_prunes_the_sample_and_reports_its_cache(tmp_path):
+    out = run("+experiment=quickvideo", "graph.prune.ratio=0.2", "graph.group_frames=8", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    prefill = metrics["tokens_meta"]["prefill"]
+    assert prefill["groups"] == 8 and prefill["video_tokens"] == 270           # 60 frames in groups of 8
+    # seven groups of 36 tokens and one of 18 keep ceil(0.2 n) each: 7 * 8 + 4 in every layer
+    assert prefill["video_tokens_kept"] == [60] * 6 and prefill["retention"] == pytest.approx(60 / 270, abs=1e-6)
+    assert prefill["kv_bytes"] < 0.3 * 1726464                                   # the unpruned cache: 1.73 MB
+    assert metrics["cpu_s"] > 0 and metrics["stages"]["prefill"]["calls"] == 8    # one per decoded group
+
+
+def test_quickvideo_rejects_a_bad_prune_block(tmp_path):
+    out = run("+experiment=quickvideo", "graph.prune.importance=l1", f"hydra.run.dir={tmp_path}")
+    assert out.returncode != 0
+    assert "importance must be one of key_norm, value_norm, attention, random" in out.stderr

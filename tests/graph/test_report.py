@@ -234,3 +234,50 @@ def test_cli_dir_without_jobs_exits_2(tmp_path):
     assert res.returncode == 2
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert "Traceback" not in res.stderr
+
+
+# ------------------------------------------------ relative, derived (with other rows), stacked plots
+
+def test_evaluate_reads_columns_numbers_and_other_rows():
+    from graph.report import evaluate
+
+    row = {"wall_s": 3.0, "ttft_s": 1.0, "stages.decode.end_s": 0.5, "name": "x"}
+    assert evaluate("wall_s - ttft_s", row) == 2.0
+    assert evaluate("max(0, min(stages.decode.end_s, ttft_s) - 2) + 1", row) == 1.0
+    assert evaluate("seq.wall_s / wall_s", row, {"seq": {"wall_s": 6.0}}) == 2.0
+    assert evaluate("missing + 1", row) is None and evaluate("name + 1", row) is None
+    assert evaluate("wall_s / 0", row) is None
+    with pytest.raises(ValueError, match="only column names"):
+        evaluate("__import__('os')", row)
+
+
+def test_relative_and_derived_columns_match_rows_on_the_other_swept_keys(tmp_path):
+    d = tmp_path / "sweep"
+    report = {"relative": [{"name": "f1_retention", "of": "summary.score.f1", "baseline": {"case": "ar"}}],
+              "derived": {"cpu_per_core": "cpu_s / cores",
+                          "bound": {"expr": "max(seq.wall_s, cpu_per_core) + 0.5", "where": {"case": "fast"},
+                                    "with": {"seq": {"case": "slow"}}}},
+              "columns": ["data", "case", "f1_retention", "cpu_per_core", "bound"],
+              "plots": [{"x": "case", "y": ["wall_s", "cpu_s"], "kind": "stacked", "where": {"case": ["ar", "fast"]}}]}
+    cases = [("a", "ar", 0.8, 4.0), ("a", "slow", 0.4, 3.0), ("a", "fast", 0.6, 1.0),
+             ("b", "ar", 0.5, 8.0), ("b", "slow", 0.5, 7.0), ("b", "fast", 0.25, 2.0)]
+    for i, (data, case, f1, wall) in enumerate(cases):
+        make_job(d, str(i), [f"data={data}", f"+case={case}"],
+                 {"wall_s": wall, "cpu_s": 2 * wall, "cores": 2, "summary": {"score": {"f1": f1}}}, report)
+    out = write_report(d)
+    rows = {(r["data"], r["case"]): r for r in csv.DictReader(out["csv"].open())}
+    assert float(rows["a", "fast"]["f1_retention"]) == pytest.approx(0.75)
+    assert float(rows["b", "fast"]["f1_retention"]) == pytest.approx(0.5)         # b's own baseline
+    assert float(rows["a", "fast"]["bound"]) == pytest.approx(3.5)                 # a's slow run: 3 s
+    assert float(rows["b", "fast"]["bound"]) == pytest.approx(7.5)
+    assert rows["a", "slow"]["bound"] == ""                                        # only where asked
+    assert out["png"].read_bytes()[:8] == PNG_MAGIC
+
+
+def test_config_keys_fill_columns_the_overrides_do_not_set(tmp_path):
+    d = tmp_path / "sweep"
+    job = make_job(d, "0", ["+case=x"], {"wall_s": 1.0}, {"columns": ["case", "graph.prune.ratio"]})
+    cfg = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())
+    cfg["graph"] = {"prune": {"ratio": 0.25}}
+    (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert "| x | 0.25 |" in write_report(d)["md"].read_text()
