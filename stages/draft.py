@@ -1,0 +1,104 @@
+"""draft: a small model proposes the next `window` tokens for the target to verify.
+
+`ModelDraft` holds the draft model's cache after its own prefill (of the whole video for vanilla
+speculative decoding; of the pruned video for ParallelVLM). Each call drafts one round of
+`window` tokens from what it believes is committed, and is called again on every verdict:
+
+    prime 1 on the verdict edge  draft, then verify, then draft ... (vanilla speculative decoding)
+    prime 2                      the draft works on round i+1 while the target verifies round i,
+                                 assuming round i is accepted whole; a verdict that rejects part
+                                 of it makes the round in flight stale (the verifier answers it
+                                 without work) and the draft restarts from the committed tokens
+
+On a verdict the draft rolls its cache back to the longest prefix it shares with the committed
+sequence. With temperature > 0 each proposal carries the draft's warped distributions q, which
+the verifier needs for the acceptance rule; the draft's vocabulary is sliced to the shared one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graph.stage import In, Out, Stage
+from models.registry import get_model
+from models.sampling import sample, warp
+from stages.types import KV, Proposal, Tokens, Verdict
+
+
+class ModelDraft(Stage):
+    """model: the draft entry; window: tokens per round (γ); temperature, top_k, top_p, seed: as
+    the verifier's; vocab: the shared vocabulary size (0: the tokenizer's); max_new_tokens: no
+    round drafts past it."""
+
+    placement = "gpu"
+    inputs = {"kv": In(KV), "first": In(Tokens), "verdict": In(Verdict, stream=True)}
+    outputs = {"proposal": Out(Proposal, stream=True)}
+
+    def __init__(self, model: dict, window: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = 0, vocab: int = 0, max_new_tokens: int = 256):
+        if window < 1:
+            raise ValueError(f"window must be ≥ 1, got {window}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be ≥ 0, got {temperature}")
+        self.model, self.window, self.max_new_tokens = dict(model), window, max_new_tokens
+        self.temperature, self.top_k, self.top_p, self.seed, self.vocab = temperature, top_k, top_p, seed, vocab
+        self.lm = None
+
+    def setup(self, ctx) -> None:
+        self.lm = get_model(self.model, ctx.device)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sequence: list[int] = []      # committed tokens, then the rounds in flight
+        self.committed = 0                 # how many of `sequence` the target has committed
+        self.in_cache = 0                  # how many of `sequence` the draft's cache holds
+        self.round = 0
+        self.rng = torch.Generator().manual_seed(self.seed + 2)
+
+    def __call__(self, ctx, kv: KV, first: Tokens, verdict: Verdict | None):
+        if ctx.item == 0:
+            self._reset()
+            self.sequence, self.committed = list(first.ids), len(first.ids)
+        if verdict is not None and not verdict.stale:
+            self._apply(kv, verdict)
+        if len(self.sequence) >= self.max_new_tokens:
+            return {}                     # everything left is in flight already
+        base = len(self.sequence)
+        tokens, probs = self._draft(kv, min(self.window, self.max_new_tokens - base))
+        self.sequence += tokens
+        self.round += 1
+        ctx.emit("proposal", Proposal(self.round, base, torch.tensor(tokens),
+                                      torch.stack(probs) if probs else None))
+        return {}
+
+    def _apply(self, kv: KV, verdict: Verdict) -> None:
+        """The target verified the tokens from `start` on: it committed our first `accepted` of
+        them, then its own token. What was drafted on exactly that stays; otherwise the tokens
+        in flight are void and the cache goes back to the agreed prefix."""
+        start = verdict.length - verdict.accepted - 1
+        agreed = self.sequence[:start + verdict.accepted] + [verdict.token]
+        self.committed = len(agreed)
+        if self.sequence[:len(agreed)] == agreed:
+            return
+        self.sequence = agreed
+        keep = min(self.in_cache, start + verdict.accepted)
+        self.lm.drop_last(kv.cache, self.in_cache - keep)
+        self.in_cache = keep
+
+    def _draft(self, kv: KV, k: int) -> tuple[list[int], list[torch.Tensor]]:
+        lm, layout = self.lm, kv.meta["layout"]
+        vocab = self.vocab or len(lm.tokenizer)
+        pending = torch.tensor(self.sequence[self.in_cache:])
+        tokens, probs = [], []
+        for _ in range(k):
+            logits = lm.score(kv.cache, pending, kv.logical_length + self.in_cache, layout)[-1, :vocab]
+            self.in_cache += pending.shape[0]
+            if self.temperature == 0:
+                token = int(logits.argmax())
+            else:
+                q = warp(logits, self.temperature, self.top_k, self.top_p)
+                token = int(sample(q, self.rng))
+                probs.append(q)
+            tokens.append(token)
+            pending = torch.tensor([token])
+        return tokens, probs
