@@ -1,0 +1,121 @@
+"""Speculative decoding on the executor (draft ⇄ verify with a feedback edge): with temperature 0
+the output is token-identical to the target's own generate(do_sample=False), for both
+architectures, drafting then verifying (prime 1) or drafting a round ahead (prime 2), with a draft
+that disagrees often (rollbacks), one that always agrees (bonus tokens, rounds ahead kept), and
+max_new_tokens falling inside a block. With sampling, the first tokens follow the target's own
+sampling distribution (chi-square over seeds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from graph.executor import Executor
+from models.registry import release_all
+from models.toy.world import make_video
+from models.toy.zoo import FPS
+from stages.types import Request
+from tests.helpers import make, node
+from tests.models.test_adapters import ARCHS, random_checkpoint
+from tests.stages.test_generate import reference_ids
+
+PROMPT = "what happened after the red circle appeared ?"
+TARGET = {"qwen2_5_vl": "qwen-target", "llava_onevision": "llava-target"}
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def pair(request, tmp_path_factory):
+    """A random target and a random draft of the zoo's shapes (they disagree often), on a 12-s video."""
+    arch = request.param
+    d = tmp_path_factory.mktemp(arch)
+    target = random_checkpoint(d / "target", TARGET[arch], seed=1)
+    draft = random_checkpoint(d / "draft", ARCHS[arch], seed=2)
+    video = d / "toy.mp4"
+    make_video(21, 12, 2, 84, video)
+    model = {"fps": FPS[arch], "size": 84}
+    yield {**model, "path": str(target), "name": "target"}, {**model, "path": str(draft), "name": "draft"}, str(video)
+    release_all()
+
+
+def sd_nodes(target: dict, draft: dict, *, window=3, prime=1, max_new_tokens=24, temperature=0.0, seed=0):
+    sampling = {"temperature": temperature, "seed": seed}
+    return {
+        "source": node("stages.source.Source"),
+        "decode": node("stages.decode.QuickCodec", inputs={"request": "source.request"}, fps=target["fps"],
+                       size=target["size"], group_frames=8, workers=1),
+        "encode": node("stages.encode.VisionEncoder", on="target", inputs={"group": "decode.group"},
+                       model=target, fps=target["fps"]),
+        "prefill": node("stages.prefill.Prefill", on="target", inputs={"tokens": "encode.tokens", "request": "source.request"},
+                        model=target, max_new_tokens=max_new_tokens),
+        "first": node("stages.generate.FirstToken", on="target", inputs={"kv": "prefill.kv"}, **sampling),
+        "draft_encode": node("stages.encode.VisionEncoder", on="draft", inputs={"group": "decode.group"},
+                             model=draft, fps=target["fps"]),
+        "draft_prefill": node("stages.prefill.Prefill", on="draft",
+                              inputs={"tokens": "draft_encode.tokens", "request": "source.request"},
+                              model=draft, max_new_tokens=max_new_tokens),
+        "draft": node("stages.draft.ModelDraft", on="draft",
+                      inputs={"kv": "draft_prefill.kv", "first": "first.tokens",
+                              "verdict": {"from": "verify.verdict", "feedback": True, "prime": prime}},
+                      model=draft, window=window, max_new_tokens=max_new_tokens, **sampling),
+        "verify": node("stages.verify.Verifier", on="target",
+                       inputs={"kv": "prefill.kv", "first": "first.tokens", "proposal": "draft.proposal"},
+                       model=target, max_new_tokens=max_new_tokens, **sampling),
+    }
+
+
+def run_sd(nodes, video):
+    spec, plan = make(nodes)
+    with Executor(spec, plan, progress=False) as ex:
+        return ex.run(Request("v", video, PROMPT)).outputs["verify.tokens"]
+
+
+@pytest.mark.parametrize("window, prime", [(1, 1), (3, 1), (3, 2), (5, 2)])
+def test_greedy_speculative_decoding_is_token_identical_to_generate(pair, window, prime):
+    target, draft, video = pair
+    tokens = run_sd(sd_nodes(target, draft, window=window, prime=prime), video)
+    ref = reference_ids(target, video, PROMPT, 24)
+    assert len(set(ref)) > 3
+    assert tokens.ids == ref
+    meta = tokens.meta
+    assert meta["rounds"] >= 24 / (window + 1)
+    assert 0 <= meta["acceptance_rate"] < 0.9          # a random draft: rollbacks happened
+    if prime == 2:
+        assert meta["stale_proposals"] > 0              # rounds drafted ahead were voided
+
+
+@pytest.mark.parametrize("prime", [1, 2])
+def test_a_draft_that_always_agrees_commits_window_plus_one_per_round(pair, prime):
+    """The target as its own draft: every round is accepted whole plus the bonus token, and with
+    prime 2 the round drafted ahead is kept (its first token is the bonus) instead of voided."""
+    target, _, video = pair
+    tokens = run_sd(sd_nodes(target, dict(target), window=3, prime=prime, max_new_tokens=21), video)
+    assert tokens.ids == reference_ids(target, video, PROMPT, 21)
+    assert tokens.meta["acceptance_rate"] == 1.0
+    assert tokens.meta["stale_proposals"] == 0
+    if prime == 1:
+        assert tokens.meta["rounds"] == 5 and tokens.meta["mean_accepted_length"] == 4.0   # 1 + 5 x 4 = 21
+
+
+@pytest.mark.parametrize("limit", [2, 7, 10])
+def test_max_new_tokens_inside_an_accepted_block(pair, limit):
+    target, _, video = pair
+    tokens = run_sd(sd_nodes(target, dict(target), window=4, prime=2, max_new_tokens=limit), video)
+    assert tokens.ids == reference_ids(target, video, PROMPT, limit)
+
+
+@pytest.mark.slow
+def test_sampled_first_tokens_follow_the_target_distribution(pair):
+    """Over 200 seeds, the first two tokens of speculative sampling (temperature 1) are distributed
+    as the target's own sampling's (chi-square on the most common values)."""
+    from collections import Counter
+
+    from tests.stages.test_generate import ar_nodes, run_graph
+
+    target, draft, video = pair
+    sd, ar = Counter(), Counter()
+    for seed in range(200):
+        sd[tuple(run_sd(sd_nodes(target, draft, window=3, max_new_tokens=2, temperature=1.0, seed=seed), video).ids)] += 1
+        out = run_graph(ar_nodes(target, max_new_tokens=2, temperature=1.0, seed=seed), Request("v", video, PROMPT))
+        ar[tuple(out.outputs["generate.tokens"].ids)] += 1
+    keys = [k for k, _ in (sd + ar).most_common(6)]
+    stat = sum((sd[k] - ar[k]) ** 2 / (sd[k] + ar[k]) for k in keys)     # two-sample chi-square, 5 df
+    assert stat < 20.52
