@@ -10,7 +10,9 @@ speculative decoding; of the pruned video for ParallelVLM). Each call drafts one
                                  of it makes the round in flight stale (the verifier answers it
                                  without work) and the draft restarts from the committed tokens
 
-On a verdict the draft rolls its cache back to the longest prefix it shares with the committed
+The first round starts from the draft's own prefill logits (nothing is committed yet), so a draft
+whose prefill ends before the target's has its first window ready when the target's prefill ends
+(ParallelVLM's start-up tokens). On a verdict the draft rolls its cache back to the longest prefix it shares with the committed
 sequence. With temperature > 0 each proposal carries the draft's warped distributions q, which
 the verifier needs for the acceptance rule; the draft's vocabulary is sliced to the shared one.
 """
@@ -22,7 +24,7 @@ import torch
 from graph.stage import In, Out, Stage
 from models.registry import get_model
 from models.sampling import sample, warp
-from stages.types import KV, Proposal, Tokens, Verdict
+from stages.types import KV, Proposal, Verdict
 
 
 class ModelDraft(Stage):
@@ -31,7 +33,7 @@ class ModelDraft(Stage):
     round drafts past it."""
 
     placement = "gpu"
-    inputs = {"kv": In(KV), "first": In(Tokens), "verdict": In(Verdict, stream=True)}
+    inputs = {"kv": In(KV), "verdict": In(Verdict, stream=True)}
     outputs = {"proposal": Out(Proposal, stream=True)}
 
     def __init__(self, model: dict, window: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -55,10 +57,9 @@ class ModelDraft(Stage):
         self.round = 0
         self.rng = torch.Generator().manual_seed(self.seed + 2)
 
-    def __call__(self, ctx, kv: KV, first: Tokens, verdict: Verdict | None):
+    def __call__(self, ctx, kv: KV, verdict: Verdict | None):
         if ctx.item == 0:
             self._reset()
-            self.sequence, self.committed = list(first.ids), len(first.ids)
         if verdict is not None and not verdict.stale:
             self._apply(kv, verdict)
         if len(self.sequence) >= self.max_new_tokens:
@@ -88,11 +89,14 @@ class ModelDraft(Stage):
     def _draft(self, kv: KV, k: int) -> tuple[list[int], list[torch.Tensor]]:
         lm, layout = self.lm, kv.meta["layout"]
         vocab = self.vocab or len(lm.tokenizer)
-        pending = torch.tensor(self.sequence[self.in_cache:])
+        pending = torch.tensor(self.sequence[self.in_cache:], dtype=torch.long)
         tokens, probs = [], []
         for _ in range(k):
-            logits = lm.score(kv.cache, pending, kv.logical_length + self.in_cache, layout)[-1, :vocab]
-            self.in_cache += pending.shape[0]
+            if pending.shape[0]:
+                logits = lm.score(kv.cache, pending, kv.logical_length + self.in_cache, layout)[-1, :vocab]
+                self.in_cache += pending.shape[0]
+            else:                         # nothing after the prompt yet: the prefill's logits
+                logits = kv.meta["logits"][:vocab]
             if self.temperature == 0:
                 token = int(logits.argmax())
             else:

@@ -1,5 +1,4 @@
-"""generate: the autoregressive baseline: one target step per token, greedy or sampled; and
-`FirstToken`, the target's first token from its prefill logits (where speculative decoding starts).
+"""generate: the autoregressive baseline: one target step per token, greedy or sampled.
 
 Greedy (temperature 0) is token-identical to the model's own `generate(do_sample=False)`;
 tests check it for both architectures. The first token is published on `first` the moment it
@@ -58,27 +57,3 @@ class Generate(Stage):
                 "prefill": kv.meta.get("prefill")}
         return {"tokens": Tokens(out, text, meta)}
 
-
-class FirstToken(Stage):
-    """The target's first answer token from its prefill's last logits: the start every speculative
-    decoder shares (the draft drafts after it; the verifier commits it). Sampled with the same
-    settings as Generate; `tokens` is a tap so time to first token is measured at the prefill's end."""
-
-    placement = "gpu"
-    inputs = {"kv": In(KV)}
-    outputs = {"tokens": Out(Tokens, tap=True)}
-
-    def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0):
-        if temperature < 0:
-            raise ValueError(f"temperature must be ≥ 0, got {temperature}")
-        self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
-
-    def __call__(self, ctx, kv: KV):
-        logits = kv.meta["logits"]
-        if self.temperature == 0:
-            token = int(greedy(logits))
-        else:
-            token = int(sample(warp(logits, self.temperature, self.top_k, self.top_p),
-                               torch.Generator().manual_seed(self.seed)))
-        ctx.emit("tokens", Tokens([token]))
-        return {}

@@ -17,7 +17,8 @@ target's own sampling distribution exactly, and with temperature 0 they are the 
 tokens: the output is the target's `generate()`'s.
 
 `Verifier` is the stage: it holds the target's cache after the prompt, scores the last committed
-token plus the k proposed ones in one forward, commits the accepted tokens and the target's own
+token plus the k proposed ones in one forward (the first round: the prefill's logits judge the
+first proposed token, and the k proposed ones are scored), commits the accepted tokens and the target's own
 next token (bonus or correction), rolls its cache back to the committed sequence, and answers
 with a Verdict on the feedback edge. A proposal drafted on a prefix that a verdict has since
 rejected (the draft runs a round ahead, PEARL-style) is stale: it is answered without work.
@@ -84,8 +85,8 @@ class Verifier(Stage):
     sampling both sides share; vocab: the shared vocabulary size (0: the tokenizer's)."""
 
     placement = "gpu"
-    inputs = {"kv": In(KV), "first": In(Tokens), "proposal": In(Proposal, stream=True)}
-    outputs = {"verdict": Out(Verdict, stream=True), "tokens": Out(Tokens)}
+    inputs = {"kv": In(KV), "proposal": In(Proposal, stream=True)}
+    outputs = {"verdict": Out(Verdict, stream=True), "first": Out(Tokens, tap=True), "tokens": Out(Tokens)}
 
     def __init__(self, model: dict, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, vocab: int = 0):
@@ -109,13 +110,9 @@ class Verifier(Stage):
         self.drafted: list[int] = []           # per round
         self.rng = torch.Generator().manual_seed(self.seed + 1)
 
-    def __call__(self, ctx, kv: KV, first: Tokens, proposal: Proposal):
+    def __call__(self, ctx, kv: KV, proposal: Proposal):
         if ctx.item == 0:
             self._reset()
-            self.committed = list(first.ids)
-            self.done = first.ids[-1] in self.lm.eos_ids or len(first.ids) >= self.max_new_tokens
-            if self.done:
-                ctx.end("verdict")
         if self.done:
             return {}                 # a proposal drafted ahead of the end: nothing left to check
         draft, q = proposal.tokens.reshape(-1), proposal.probs
@@ -128,10 +125,13 @@ class Verifier(Stage):
             return {}
         draft, q = draft[overlap:], (q[overlap:] if q is not None else None)
         lm, layout = self.lm, kv.meta["layout"]
-        n_prompt = kv.logical_length
-        pending = torch.tensor(self.committed[self.in_cache:])            # at least the last committed token
-        logits = lm.score(kv.cache, torch.cat([pending, draft]), n_prompt + self.in_cache, layout)
-        logits = logits[pending.shape[0] - 1:]                             # [k+1, V]: after each draft prefix
+        pending = torch.tensor(self.committed[self.in_cache:], dtype=torch.long)
+        if pending.shape[0]:          # the last committed token(s) and the draft, in one forward
+            logits = lm.score(kv.cache, torch.cat([pending, draft]), kv.logical_length + self.in_cache, layout)
+            logits = logits[pending.shape[0] - 1:]                         # [k+1, V]: after each draft prefix
+        else:                         # the first round: the prefill's logits predict the first token
+            scored = lm.score(kv.cache, draft, kv.logical_length, layout) if draft.shape[0] else None
+            logits = kv.meta["logits"][None] if scored is None else torch.cat([kv.meta["logits"][None], scored])
         vocab = self.vocab or len(lm.tokenizer)
         logits = logits[:, :vocab]
         if self.temperature == 0:
@@ -150,6 +150,8 @@ class Verifier(Stage):
         self.rounds += 1
         self.accepted.append(min(accepted, len(self.committed) - before))
         self.drafted.append(int(draft.shape[0]))
+        if before == 0:
+            ctx.emit("first", Tokens(self.committed[:1]))
         if self.done:
             ctx.end("verdict")
             return {}
@@ -164,8 +166,8 @@ class Verifier(Stage):
         per_position = [round(sum(a > i for a in self.accepted) / max(1, sum(d > i for d in self.drafted)), 4)
                         for i in range(k_max)]
         meta = {"model": lm.name, "rounds": self.rounds, "stale_proposals": self.stale,
-                # tokens committed per verification round: the accepted draft tokens + the target's own
-                "mean_accepted_length": round((len(ids) - 1) / rounds, 4) if self.rounds else None,
+                # M: tokens committed per verification round (the accepted draft tokens + the target's own)
+                "mean_accepted_length": round(len(ids) / rounds, 4) if self.rounds else None,
                 "acceptance_rate": round(sum(self.accepted) / max(1, sum(self.drafted)), 4),
                 "per_position_acceptance": per_position,
                 "stopped": "eos" if ids and ids[-1] in lm.eos_ids else "max_new_tokens"}
