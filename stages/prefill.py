@@ -26,7 +26,7 @@ from graph.stage import In, Out, Stage
 from models.memory import PeakMemory
 from models.registry import get_model
 from stages.prune import GroupKVPrune
-from stages.types import KV, Request, VisualTokens
+from stages.types import KV, Request, Selection, Taps, VisualTokens
 
 DEFAULT_PROMPT = "describe the video ."
 
@@ -43,10 +43,10 @@ class Prefill(Stage):
 
     placement = "gpu"
     inputs = {"tokens": In(VisualTokens, stream=True), "request": In(Request)}
-    outputs = {"kv": Out(KV)}
+    outputs = {"kv": Out(KV), "taps": Out(Taps, tap=True)}
 
     def __init__(self, model: dict, mode: str = "one_shot", max_new_tokens: int = 256, group_frames: int = 0,
-                 prune: dict | None = None, measure_memory: bool = False):
+                 prune: dict | None = None, measure_memory: bool = False, taps: list | None = None):
         if mode not in ("one_shot", "groups"):
             raise ValueError(f"mode must be one_shot or groups, got {mode!r}")
         if group_frames < 0:
@@ -56,6 +56,11 @@ class Prefill(Stage):
         self.model, self.mode, self.max_new_tokens = dict(model), mode, max_new_tokens
         self.group_frames, self.measure_memory = group_frames, measure_memory
         self.prune = dict(prune) if prune else None
+        self.taps = sorted(int(t) for t in (taps or []))
+        if self.taps and mode != "one_shot":
+            raise ValueError("taps are published by the one-shot prefill (mode=one_shot)")
+        if self.taps and self.taps[0] < 0:
+            raise ValueError(f"taps are layer numbers ≥ 0 (0: the embeddings), got {self.taps}")
         if self.prune:
             unknown = set(self.prune) - {"importance", "ratio", "start_layer", "decay", "seed"}
             if unknown:
@@ -152,7 +157,7 @@ class Prefill(Stage):
             self._check_context(layout)
             self.cache = self.lm.new_cache()
             logits = self.lm.prefill(self.cache, self.lm.embed(layout.ids, torch.cat(self.pending), layout.video_start),
-                                     layout.positions)
+                                     layout.positions, taps=self.taps, on_tap=self._tap_publisher(ctx, layout))
         else:
             layout = self._layout(request, self.frames)
             logits = self.lm.prefill(self.cache, self.lm.embed(layout.ids[self.done:]), layout.positions[:, self.done:])
@@ -172,6 +177,23 @@ class Prefill(Stage):
                                             "prefill": stats})
         self._reset()
         return {"kv": kv}
+
+    def _tap_publisher(self, ctx, layout):
+        """on_tap for the adapter: collects the requested layers' hidden states and publishes them
+        the moment the last of them is done, while the forward goes on (ParallelVLM's draft
+        prunes and prefills during the rest of the target's prefill)."""
+        if not self.taps:
+            return None
+        if self.taps[-1] > self.lm.text_config.num_hidden_layers:
+            raise ValueError(f"taps {self.taps}: {self.lm.name} has {self.lm.text_config.num_hidden_layers} layers")
+        got: dict[int, torch.Tensor] = {}
+
+        def on_tap(layer: int, hidden: torch.Tensor) -> None:
+            got[layer] = hidden
+            if len(got) == len(self.taps):
+                ctx.emit("taps", Taps(dict(got), {"layout": layout, "model": self.lm.name}))
+
+        return on_tap
 
     def _check_context(self, layout) -> None:
         limit = getattr(self.lm.text_config, "max_position_embeddings", None)
@@ -193,3 +215,43 @@ class _NoProbe:
 
     def __exit__(self, *exc):
         return None
+
+
+class SelectedPrefill(Prefill):
+    """A one-shot prefill of only the selected visual tokens (ParallelVLM's draft): the prompt's
+    text and the kept video tokens, each at its position in the unpruned prompt, so the cache is
+    shorter than the logical length and decoding continues at the logical positions."""
+
+    inputs = {"tokens": In(VisualTokens, stream=True), "request": In(Request), "selection": In(Selection)}
+    outputs = {"kv": Out(KV)}
+
+    def __init__(self, model: dict, max_new_tokens: int = 256, mode: str = "one_shot"):
+        if mode != "one_shot":
+            raise ValueError(f"SelectedPrefill prefills the selected tokens in one shot (mode=one_shot), got {mode!r}")
+        super().__init__(model, mode="one_shot", max_new_tokens=max_new_tokens)
+
+    def __call__(self, ctx, tokens: VisualTokens, request: Request, selection: Selection):
+        out = super().__call__(ctx, tokens, request)
+        self.selection = selection        # the same on every call of a run; finish uses it
+        return out
+
+    def finish(self, ctx):
+        selection = self.selection
+        layout = self._layout(ctx.request, self.pending_frames)
+        self.frames = self.pending_frames
+        self._check_context(layout)
+        if selection.total != layout.n_video:
+            raise ValueError(f"the selection is over {selection.total} visual tokens, the draft's prompt has "
+                             f"{layout.n_video}: draft and target must see the video alike (same fps, size, patching)")
+        embeds = self.lm.embed(layout.ids, torch.cat(self.pending), layout.video_start)
+        end = layout.video_start + layout.n_video
+        keep = torch.cat([torch.arange(layout.video_start), layout.video_start + selection.keep.cpu(),
+                          torch.arange(end, layout.length)])
+        self.cache = self.lm.new_cache()
+        logits = self.lm.prefill(self.cache, embeds[keep], layout.positions[:, keep])
+        stats = {"mode": "selected", "logical_length": layout.length, "video_tokens": layout.n_video,
+                 "video_tokens_kept": int(selection.keep.numel()), "kv_bytes": self.lm.cache_bytes(self.cache)}
+        kv = KV(self.cache, layout.length, {"layout": layout, "logits": logits, "model": self.lm.name,
+                                            "n_video_tokens": layout.n_video, "frames": self.frames, "prefill": stats})
+        self._reset()
+        return {"kv": kv}

@@ -1,5 +1,9 @@
 """prune: choosing which cached entries (or visual tokens) to keep.
 
+Two kinds live here: QuickPrefill's per-group KV pruning (`GroupKVPrune`, applied by the group
+prefill) and ParallelVLM's UV-Prune of the draft's visual tokens (`UVPrune`, a stage fed by the
+target's prefill taps). QuickPrefill first:
+
 QuickPrefill (QuickVideo §3.2, Eq. 2) prunes each group's KV cache right after the group is
 prefilled, before the next group attends to it, keeping the top ⌈ρ·n⌉ of the group's n entries
 by an importance score:
@@ -31,6 +35,9 @@ from __future__ import annotations
 import math
 
 import torch
+
+from graph.stage import In, Out, Stage
+from stages.types import Selection, Taps
 
 IMPORTANCE = ("key_norm", "value_norm", "attention", "random")
 
@@ -131,3 +138,83 @@ class GroupKVPrune:
     def describe(self) -> dict:
         return {"importance": self.importance, "ratio": self.ratio, "start_layer": self.start_layer,
                 "decay": self.decay}
+
+
+# ------------------------------------------------------------------------------ UV-Prune
+
+UV_VARIANTS = ("as_written", "telescoped", "absolute")
+
+
+def similarity(video: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity, video [m, d] x text [n, d] -> [m, n] (ParallelVLM Eq. 2), in float32."""
+    v = torch.nn.functional.normalize(video.float(), dim=-1)
+    t = torch.nn.functional.normalize(text.float(), dim=-1)
+    return v @ t.T
+
+
+def uv_scores(hidden: dict[int, torch.Tensor], video: slice, text: torch.Tensor, layers: list[int],
+              variant: str = "as_written") -> torch.Tensor:
+    """ΔS_i for each video token (ParallelVLM Eq. 3) from the target's hidden states at `layers`
+    (sorted; hidden[l] is [seq, d], l = 0 the embeddings): the layer-to-layer change of its
+    similarity to each text token, summed over text tokens and layers.
+
+    as_written  Σ_j Σ_l (S^l_ij − S^{l−1}_ij), one difference per consecutive pair of `layers`
+    telescoped  Σ_j (S^L_ij − S^{l_0}_ij): the same sum, collapsed (it must agree up to rounding)
+    absolute    Σ_j Σ_l |S^l_ij − S^{l−1}_ij|: how much the alignment moves, either way
+    Returns float32 [m]."""
+    if variant not in UV_VARIANTS:
+        raise ValueError(f"UV-Prune variant must be one of {', '.join(UV_VARIANTS)}, got {variant!r}")
+    if len(layers) < 2:
+        raise ValueError(f"UV-Prune needs at least two layers to measure a variation, got {layers}")
+    sims = [similarity(hidden[layer][video], hidden[layer][text]) for layer in layers]    # each [m, n]
+    if variant == "telescoped":
+        return (sims[-1] - sims[0]).sum(-1)
+    steps = [b - a for a, b in zip(sims, sims[1:])]
+    if variant == "absolute":
+        steps = [d.abs() for d in steps]
+    return torch.stack(steps).sum(0).sum(-1)
+
+
+def keep_fraction(scores: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Top-K (Eq. 4): the ⌈(1 − α)·m⌉ highest-scoring indices (at least one), ascending."""
+    if not 0 <= alpha < 1:
+        raise ValueError(f"pruning ratio alpha must be in [0, 1), got {alpha}")
+    m = scores.shape[0]
+    return top_k_indices(scores, max(1, math.ceil(round((1 - alpha) * m, 9))))
+
+
+class UVPrune(Stage):
+    """ParallelVLM's verifier-guided pruning of the draft's visual tokens: from the target's
+    hidden states at `layers` (published as a prefill tap), keep the 1 − α of the video tokens
+    whose similarity to the text grows most through those layers.
+
+    alpha: the pruning ratio α; layers: the target's layers l_0 < ... < L (0 = embeddings);
+    variant: as_written | telescoped | absolute; text: query (the prompt after the video: the
+    question) | all (every text token of the prompt, the chat template's too)."""
+
+    placement = "cpu"
+    inputs = {"taps": In(Taps)}
+    outputs = {"selection": Out(Selection)}
+
+    def __init__(self, alpha: float = 0.9, layers: list | None = None, variant: str = "as_written", text: str = "query"):
+        keep_fraction(torch.zeros(1), alpha)          # validates alpha
+        self.layers = sorted(int(x) for x in (layers if layers is not None else [0, 1, 2]))
+        if len(self.layers) < 2 or self.layers[0] < 0:
+            raise ValueError(f"layers must be two or more layer numbers ≥ 0, got {layers}")
+        if variant not in UV_VARIANTS:
+            raise ValueError(f"variant must be one of {', '.join(UV_VARIANTS)}, got {variant!r}")
+        if text not in ("query", "all"):
+            raise ValueError(f"text must be query or all, got {text!r}")
+        self.alpha, self.variant, self.text = alpha, variant, text
+
+    def __call__(self, ctx, taps: Taps):
+        missing = [layer for layer in self.layers if layer not in taps.layers]
+        if missing:
+            raise ValueError(f"UV-Prune needs the target's layers {self.layers}; the prefill taps {sorted(taps.layers)}: "
+                             f"set the target prefill's taps to include {missing}")
+        layout = taps.meta["layout"]
+        start, end = layout.video_start, layout.video_start + layout.n_video
+        text = torch.arange(end, layout.length) if self.text == "query" else torch.cat(
+            [torch.arange(start), torch.arange(end, layout.length)])
+        scores = uv_scores(taps.layers, slice(start, end), text, self.layers, self.variant)
+        return {"selection": Selection(keep_fraction(scores, self.alpha), layout.n_video, scores)}

@@ -109,3 +109,50 @@ def test_random_importance_is_reproducible_from_its_seed():
 def test_bad_settings_are_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GroupKVPrune(**kwargs)
+
+
+# ------------------------------------------------------------------------------ UV-Prune
+
+def test_uv_scores_as_written_telescope_to_last_minus_first_layer():
+    from stages.prune import uv_scores
+
+    g = torch.Generator().manual_seed(0)
+    hidden = {layer: torch.randn(20, 16, generator=g) for layer in (0, 1, 2, 4)}
+    video, text = slice(3, 15), torch.arange(15, 20)
+    written = uv_scores(hidden, video, text, [0, 1, 2, 4], "as_written")
+    torch.testing.assert_close(written, uv_scores(hidden, video, text, [0, 1, 2, 4], "telescoped"), rtol=1e-5, atol=1e-5)
+    absolute = uv_scores(hidden, video, text, [0, 1, 2, 4], "absolute")
+    assert (absolute >= written.abs() - 1e-5).all() and not torch.allclose(absolute, written)
+
+
+def test_uv_prune_keeps_the_tokens_whose_text_similarity_grows():
+    """Video token 1 turns towards the text between layers 0 and 2, token 3 away from it."""
+    from stages.prune import keep_fraction, uv_scores
+
+    text = torch.tensor([[1.0, 0.0, 0.0]])
+    before = torch.tensor([[0.0, 1.0, 0.0]] * 4)
+    after = before.clone()
+    after[1] = torch.tensor([1.0, 0.2, 0.0])
+    after[3] = torch.tensor([-1.0, 0.2, 0.0])
+    hidden = {0: torch.cat([before, text]), 2: torch.cat([after, text])}
+    scores = uv_scores(hidden, slice(0, 4), torch.tensor([4]), [0, 2])
+    assert scores.argmax() == 1 and scores.argmin() == 3
+    assert keep_fraction(scores, 0.75).tolist() == [1]
+    assert keep_fraction(scores, 0.5).tolist() in ([0, 1], [1, 2])
+
+
+@pytest.mark.parametrize("alpha, m, k", [(0.9, 270, 27), (0.5, 9, 5), (0.0, 10, 10), (0.99, 50, 1)])
+def test_keep_fraction_keeps_ceil_one_minus_alpha(alpha, m, k):
+    from stages.prune import keep_fraction
+
+    kept = keep_fraction(torch.randn(m), alpha)
+    assert len(kept) == k and kept.tolist() == sorted(kept.tolist())
+
+
+@pytest.mark.parametrize("kwargs, match", [({"alpha": 1.0}, "alpha"), ({"layers": [2]}, "two or more"),
+                                           ({"variant": "sum"}, "variant"), ({"text": "none"}, "text")])
+def test_uv_prune_bad_settings_are_clear_errors(kwargs, match):
+    from stages.prune import UVPrune
+
+    with pytest.raises(ValueError, match=match):
+        UVPrune(**kwargs)

@@ -61,6 +61,18 @@ def sd_nodes(target: dict, draft: dict, *, window=3, prime=1, max_new_tokens=24,
     }
 
 
+def parallelvlm_nodes(target, draft, *, alpha=0.7, layers=(0, 1, 2), variant="as_written", **kw):
+    nodes = sd_nodes(target, draft, prime=2, **kw)
+    nodes["prefill"]["stage"]["taps"] = list(layers)
+    nodes["prune"] = node("stages.prune.UVPrune", on="draft", inputs={"taps": "prefill.taps"}, alpha=alpha,
+                          layers=list(layers), variant=variant)
+    nodes["draft_prefill"] = node("stages.prefill.SelectedPrefill", on="draft",
+                                  inputs={"tokens": "draft_encode.tokens", "request": "source.request",
+                                          "selection": "prune.selection"},
+                                  model=draft, max_new_tokens=kw.get("max_new_tokens", 24))
+    return nodes
+
+
 def run_sd(nodes, video):
     spec, plan = make(nodes)
     with Executor(spec, plan, progress=False) as ex:
@@ -119,3 +131,30 @@ def test_sampled_first_tokens_follow_the_target_distribution(pair):
     keys = [k for k, _ in (sd + ar).most_common(6)]
     stat = sum((sd[k] - ar[k]) ** 2 / (sd[k] + ar[k]) for k in keys)     # two-sample chi-square, 5 df
     assert stat < 20.52
+
+
+@pytest.mark.parametrize("alpha, variant, window", [(0.7, "as_written", 3), (0.95, "absolute", 5), (0.0, "as_written", 2)])
+def test_parallelvlm_with_uv_prune_is_token_identical_to_generate(pair, alpha, variant, window):
+    """The draft prefills only the UV-Prune selection (from the target's prefill tap) and drafts a
+    round ahead: still the target's own greedy tokens."""
+    target, draft, video = pair
+    tokens = run_sd(parallelvlm_nodes(target, draft, alpha=alpha, variant=variant, window=window), video)
+    assert tokens.ids == reference_ids(target, video, PROMPT, 24)
+
+
+def test_uv_prune_selection_reaches_the_draft_prefill(pair):
+    """The draft's cache holds the prompt's text and exactly the selected ⌈(1 − α)·m⌉ video tokens."""
+    target, draft, video = pair
+    nodes = parallelvlm_nodes(target, draft, alpha=0.8)
+    spec, plan = make(nodes)
+    with Executor(spec, plan, progress=False, record=("draft_prefill.kv", "prune.selection")) as ex:
+        out = ex.run(Request("v", video, PROMPT)).outputs
+    kv, selection = out["draft_prefill.kv"], out["prune.selection"]
+    layout = kv.meta["layout"]
+    assert selection.total == layout.n_video and len(selection.keep) == -(-layout.n_video * 2 // 10)
+    text = layout.length - layout.n_video
+    # (the recorded cache has grown by the drafted tokens since; its prefill stats were taken at the end of prefill)
+    stats = kv.meta["prefill"]
+    assert stats["video_tokens_kept"] == len(selection.keep) and kv.logical_length == layout.length
+    per_token = 2 * 2 * 1 * 64 * 4          # keys and values x 2 layers x 1 KV head x head_dim 64 x fp32 (the zoo's drafts)
+    assert stats["kv_bytes"] == (text + len(selection.keep)) * per_token
