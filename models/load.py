@@ -54,6 +54,10 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
     arch = config.model_type
     if arch not in ADAPTERS:
         raise ModelError(f"model {path!r} is a {arch!r} model; reelflow adapts {', '.join(ADAPTERS)}")
+    if attn_implementation == "reelflow":    # ours: sdpa for prefill, grouped matmuls for a few new tokens
+        from models.attention import register
+
+        register()
     if attn_implementation == "flash_attention_2":
         try:
             import flash_attn  # noqa: F401

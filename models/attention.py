@@ -1,0 +1,76 @@
+"""`reelflow` attention: transformers' sdpa for prefill, plain grouped matmuls for a few new tokens.
+
+Measured on 2 CPU cores (DESIGN pitfall 3): torch's sdpa scores 2-16 new tokens over an 8K cache
+at ~6x the cost of one token, because with an explicit mask it leaves its fused kernel; a
+speculative verifier pays that every round. For a query of at most `SMALL_QUERY` tokens this
+function computes softmax(q kᵀ · scale + mask) v directly, one matmul per KV head group (no
+repeated keys), in float32 softmax, and hands larger queries to transformers' own sdpa function.
+
+Registered with transformers' AttentionInterface (and the sdpa mask function) as "reelflow", so a
+model loaded with attn_implementation="reelflow" runs it inside its own attention modules:
+
+    load_model(path, attn_implementation="reelflow")      # or model.target.attn_implementation=reelflow
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "reelflow"
+SMALL_QUERY = 32
+
+
+def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                      scaling: float) -> torch.Tensor:
+    """query [b, h, q, d]; key, value [b, kv_h, k, d] (h a multiple of kv_h, heads grouped as
+    transformers' repeat_kv lays them out); mask: bool [b, 1, q, k] (True: attend), float (added)
+    or None (causal, the q queries being the last q of the k positions). -> [b, q, h, d]."""
+    b, h, q, d = query.shape
+    kv_heads, k = key.shape[1], key.shape[2]
+    group = h // kv_heads
+    scores = torch.matmul(query.reshape(b, kv_heads, group * q, d), key.transpose(-1, -2)) * scaling
+    scores = scores.view(b, kv_heads, group, q, k).float()                          # [b, kv_h, g, q, k]
+    if mask is None and q > 1:        # bottom-right causal: only the last q columns hold masked entries
+        future = torch.ones(q, q, dtype=torch.bool, device=query.device).triu(1)
+        scores[..., k - q:] = scores[..., k - q:].masked_fill(future, float("-inf"))
+    elif mask is not None:
+        mask = mask[:, :, None]                                                       # [b, 1, 1, q, k]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = scores.softmax(-1).to(value.dtype).view(b, kv_heads, group * q, k)
+    out = torch.matmul(probs, value)                                                  # [b, kv_h, g*q, d]
+    return out.view(b, kv_heads, group, q, d).reshape(b, h, q, d).transpose(1, 2)
+
+
+def reelflow_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                       **kwargs):
+    """transformers' attention-function signature; returns (output [b, q, h, d], None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.shape[2] > SMALL_QUERY or dropout or module.training:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if attention_mask is not None and attention_mask.shape[-1] != key.shape[2]:
+        attention_mask = attention_mask[..., : key.shape[2]]
+    return grouped_attention(query, key, value, attention_mask, scale), None
+
+
+def reelflow_mask(batch_size: int, q_length: int, kv_length: int, *args, attention_mask=None, local_size=None, **kwargs):
+    """sdpa's mask, except for a short query over an unpadded cache under the plain causal rule:
+    None, which `grouped_attention` reads as bottom-right causal without building a [q, k] mask
+    (building it costs as much as the attention at 8K entries)."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    plain = kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+    if q_length <= SMALL_QUERY and attention_mask is None and local_size is None and plain:
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, *args, attention_mask=attention_mask, local_size=local_size,
+                     **kwargs)
+
+
+def register() -> None:
+    """Make "reelflow" an attn_implementation transformers knows (idempotent)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    AttentionInterface.register(NAME, reelflow_attention)
+    AttentionMaskInterface.register(NAME, reelflow_mask)
