@@ -163,12 +163,14 @@ class VideoLM:
         return (out, x) if hidden else out
 
     @torch.inference_mode()
-    def attention_scores(self, cache, embeds: torch.Tensor, positions: torch.Tensor, layers) -> dict[int, torch.Tensor]:
+    def attention_scores(self, cache, embeds: torch.Tensor, positions: torch.Tensor, layers, *,
+                         logits: str = "none"):
         """Prefills a span like `prefill` (it joins the cache) and returns, for each layer l in
         `layers` (1..n_layers), the span's attention probabilities over the whole cache, averaged
         over heads: float32 [n_span, n_cached + n_span]. For the baselines that prune by attention
         (SpecVLM, FastV, QuickPrefill's attention importance); the span runs with eager attention,
-        the one implementation that materialises the probabilities (sdpa and flash never do)."""
+        the one implementation that materialises the probabilities (sdpa and flash never do).
+        With logits="last"/"all", returns (probabilities, logits) as `prefill` gives them."""
         captured: dict[int, torch.Tensor] = {}
         hooks = [self.text.layers[layer - 1].self_attn.register_forward_hook(
             lambda module, args, out, layer=layer: captured.__setitem__(layer, out[1].mean(1)[0].float()))
@@ -176,12 +178,12 @@ class VideoLM:
         implementation = self.text_config._attn_implementation
         self.text_config._attn_implementation = "eager"
         try:
-            self.prefill(cache, embeds, positions, logits="none")
+            out = self.prefill(cache, embeds, positions, logits=logits)
         finally:
             self.text_config._attn_implementation = implementation
             for h in hooks:
                 h.remove()
-        return captured
+        return captured if logits == "none" else (captured, out)
 
     def score(self, cache, ids: torch.Tensor, start: int, layout: Layout, **kw) -> torch.Tensor:
         """Logits [k, vocab] for k new tokens `ids` at logical indices start.. (after the prompt)."""

@@ -43,10 +43,11 @@ class Prefill(Stage):
 
     placement = "gpu"
     inputs = {"tokens": In(VisualTokens, stream=True), "request": In(Request)}
-    outputs = {"kv": Out(KV), "taps": Out(Taps, tap=True)}
+    outputs = {"kv": Out(KV), "taps": Out(Taps, tap=True), "attention": Out(Taps, tap=True)}
 
     def __init__(self, model: dict, mode: str = "one_shot", max_new_tokens: int = 256, group_frames: int = 0,
-                 prune: dict | None = None, measure_memory: bool = False, taps: list | None = None):
+                 prune: dict | None = None, measure_memory: bool = False, taps: list | None = None,
+                 attention: list | None = None):
         if mode not in ("one_shot", "groups"):
             raise ValueError(f"mode must be one_shot or groups, got {mode!r}")
         if group_frames < 0:
@@ -61,6 +62,10 @@ class Prefill(Stage):
             raise ValueError("taps are published by the one-shot prefill (mode=one_shot)")
         if self.taps and self.taps[0] < 0:
             raise ValueError(f"taps are layer numbers ≥ 0 (0: the embeddings), got {self.taps}")
+        self.attention = sorted(int(a) for a in (attention or []))
+        if self.attention and (mode != "one_shot" or self.attention[0] < 1):
+            raise ValueError(f"attention: layer numbers ≥ 1 whose text-query attention the one-shot prefill "
+                             f"publishes, got {attention} (mode {mode})")
         if self.prune:
             unknown = set(self.prune) - {"importance", "ratio", "start_layer", "decay", "seed"}
             if unknown:
@@ -156,8 +161,16 @@ class Prefill(Stage):
             layout = self._layout(request, self.frames)
             self._check_context(layout)
             self.cache = self.lm.new_cache()
-            logits = self.lm.prefill(self.cache, self.lm.embed(layout.ids, torch.cat(self.pending), layout.video_start),
-                                     layout.positions, taps=self.taps, on_tap=self._tap_publisher(ctx, layout))
+            embeds = self.lm.embed(layout.ids, torch.cat(self.pending), layout.video_start)
+            if not self.attention:
+                logits = self.lm.prefill(self.cache, embeds, layout.positions, taps=self.taps,
+                                         on_tap=self._tap_publisher(ctx, layout))
+            else:   # the text after the video separately, with its attention over the prompt (eager)
+                end = layout.video_start + layout.n_video
+                self.lm.prefill(self.cache, embeds[:end], layout.positions[:, :end], logits="none")
+                probs, logits = self.lm.attention_scores(self.cache, embeds[end:], layout.positions[:, end:],
+                                                         self.attention, logits="last")
+                ctx.emit("attention", Taps(probs, {"layout": layout, "model": self.lm.name}))
         else:
             layout = self._layout(request, self.frames)
             logits = self.lm.prefill(self.cache, self.lm.embed(layout.ids[self.done:]), layout.positions[:, self.done:])

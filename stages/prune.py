@@ -218,3 +218,51 @@ class UVPrune(Stage):
             [torch.arange(start), torch.arange(end, layout.length)])
         scores = uv_scores(taps.layers, slice(start, end), text, self.layers, self.variant)
         return {"selection": Selection(keep_fraction(scores, self.alpha), layout.n_video, scores)}
+
+
+# ------------------------------------------------------------------------------ SpecVLM
+
+def attention_guided_keep(attention: torch.Tensor, budget: int, mass: float) -> torch.Tensor:
+    """SpecVLM-style selection of `budget` of m video tokens from the attention each receives
+    (float [m]): the most attended tokens until they hold `mass` of the attention (or the budget
+    is spent), then the rest of the budget spread evenly over the remaining tokens. Sorted int64."""
+    m = attention.shape[0]
+    order = attention.argsort(descending=True)
+    covered = attention[order].cumsum(0) / attention.sum().clamp_min(1e-12)
+    top = min(budget, int((covered < mass).sum()) + 1)
+    chosen = order[:top]
+    rest = torch.ones(m, dtype=torch.bool)
+    rest[chosen] = False
+    others = rest.nonzero().flatten()
+    fill = budget - top
+    if fill > 0 and len(others):
+        spots = torch.linspace(0, len(others) - 1, fill).round().long().unique()
+        chosen = torch.cat([chosen, others[spots]])
+    return chosen.sort().values
+
+
+class AttentionPrune(Stage):
+    """The draft's video tokens chosen by the target's attention (SpecVLM): the text query's
+    attention to each video token at the target's layers `layers` (published by the prefill's
+    `attention` tap), averaged over the query tokens and those layers.
+
+    alpha: pruning ratio (keeps ⌈(1 − α)·m⌉); mass: the attention share the top tokens must cover
+    before the rest of the budget is spread uniformly over the video."""
+
+    placement = "cpu"
+    inputs = {"taps": In(Taps)}          # the prefill's `attention` tap: layer -> [n_query, seq] probabilities
+    outputs = {"selection": Out(Selection)}
+
+    def __init__(self, alpha: float = 0.9, mass: float = 0.5):
+        keep_fraction(torch.zeros(1), alpha)
+        if not 0 < mass <= 1:
+            raise ValueError(f"mass must be in (0, 1], got {mass}")
+        self.alpha, self.mass = alpha, mass
+
+    def __call__(self, ctx, taps: Taps):
+        attention = taps
+        layout = attention.meta["layout"]
+        start, end = layout.video_start, layout.video_start + layout.n_video
+        received = torch.stack([probs[:, start:end].mean(0) for probs in attention.layers.values()]).mean(0)
+        budget = max(1, math.ceil(round((1 - self.alpha) * layout.n_video, 9)))
+        return {"selection": Selection(attention_guided_keep(received, budget, self.mass), layout.n_video, received)}

@@ -156,3 +156,18 @@ def test_uv_prune_bad_settings_are_clear_errors(kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         UVPrune(**kwargs)
+
+
+# ------------------------------------------------------------------------------ SpecVLM
+
+def test_attention_guided_keep_takes_the_top_mass_then_spreads_the_rest():
+    from stages.prune import attention_guided_keep
+
+    attention = torch.full((20,), 0.01)
+    attention[[3, 17]] = torch.tensor([0.5, 0.3])      # two tokens hold most of the attention
+    kept = attention_guided_keep(attention, budget=6, mass=0.5)
+    assert len(kept) == 6 and 3 in kept.tolist() and 17 not in kept.tolist()[:1]
+    assert kept.tolist() == sorted(kept.tolist())
+    spread = [i for i in kept.tolist() if i not in (3, 17)]
+    assert spread[0] == 0 and spread[-1] == 19          # the uniform fill spans the whole video
+    assert attention_guided_keep(attention, budget=2, mass=0.99).tolist() == [3, 17]

@@ -61,11 +61,16 @@ def sd_nodes(target: dict, draft: dict, *, window=3, prime=1, max_new_tokens=24,
     }
 
 
-def parallelvlm_nodes(target, draft, *, alpha=0.7, layers=(0, 1, 2), variant="as_written", **kw):
+def parallelvlm_nodes(target, draft, *, alpha=0.7, layers=(0, 1, 2), variant="as_written", attention=False, **kw):
     nodes = sd_nodes(target, draft, prime=2, **kw)
-    nodes["prefill"]["stage"]["taps"] = list(layers)
-    nodes["prune"] = node("stages.prune.UVPrune", on="draft", inputs={"taps": "prefill.taps"}, alpha=alpha,
-                          layers=list(layers), variant=variant)
+    if attention:         # SpecVLM: the question's attention at target layer 2
+        nodes["prefill"]["stage"]["attention"] = [2]
+        nodes["prune"] = node("stages.prune.AttentionPrune", on="draft", inputs={"taps": "prefill.attention"},
+                              alpha=alpha, mass=0.5)
+    else:
+        nodes["prefill"]["stage"]["taps"] = list(layers)
+        nodes["prune"] = node("stages.prune.UVPrune", on="draft", inputs={"taps": "prefill.taps"}, alpha=alpha,
+                              layers=list(layers), variant=variant)
     nodes["draft_prefill"] = node("stages.prefill.SelectedPrefill", on="draft",
                                   inputs={"tokens": "draft_encode.tokens", "request": "source.request",
                                           "selection": "prune.selection"},
@@ -158,3 +163,11 @@ def test_uv_prune_selection_reaches_the_draft_prefill(pair):
     assert stats["video_tokens_kept"] == len(selection.keep) and kv.logical_length == layout.length
     per_token = 2 * 2 * 1 * 64 * 4          # keys and values x 2 layers x 1 KV head x head_dim 64 x fp32 (the zoo's drafts)
     assert stats["kv_bytes"] == (text + len(selection.keep)) * per_token
+
+
+def test_specvlm_attention_guided_draft_is_token_identical_to_generate(pair):
+    """The target prefills the question separately (eager, publishing its attention): the same
+    cache and logits, so the same tokens; the draft sees the attention-guided selection."""
+    target, draft, video = pair
+    tokens = run_sd(parallelvlm_nodes(target, draft, alpha=0.8, attention=True, window=3), video)
+    assert tokens.ids == reference_ids(target, video, PROMPT, 24)
