@@ -137,11 +137,12 @@ def add_derived(rows: list[dict], swept: list[str], name: str, expression: str |
         r[name] = evaluate(str(expression["expr"]), r, others) if len(others) == len(refs) else None
 
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.Pow: operator.pow}
 
 
 def evaluate(expression: str, row: dict, others: dict[str, dict] | None = None) -> float | None:
-    """A `derived:` expression over a row: column names (dotted), numbers, + - * /, min(), max();
+    """A `derived:` expression over a row: column names (dotted), numbers, + - * / **, min(), max();
     `alias.column` reads another row (`others`: alias -> row). None when a column is missing or
     not a number."""
     others = others or {}
@@ -166,7 +167,7 @@ def evaluate(expression: str, row: dict, others: dict[str, dict] | None = None) 
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise LookupError(ast.unparse(node))
             return v
-        raise ValueError(f"derived: {expression!r}: only column names, numbers, + - * / min max")
+        raise ValueError(f"derived: {expression!r}: only column names, numbers, + - * / ** min max")
 
     try:
         return value(ast.parse(expression, mode="eval"))

@@ -68,8 +68,11 @@ class ModelDraft(Stage):
         tokens, probs = self._draft(kv, min(self.window, self.max_new_tokens - base))
         self.sequence += tokens
         self.round += 1
-        ctx.emit("proposal", Proposal(self.round, base, torch.tensor(tokens),
-                                      torch.stack(probs) if probs else None))
+        meta = {}
+        if self.round == 1:      # what the draft works from, for the run's metrics
+            meta = {"draft_model": self.lm.name, "window": self.window, "draft_prefill": kv.meta.get("prefill")}
+        ctx.emit("proposal", Proposal(self.round, base, torch.tensor(tokens), torch.stack(probs) if probs else None,
+                                      meta))
         return {}
 
     def _apply(self, kv: KV, verdict: Verdict) -> None:

@@ -106,6 +106,7 @@ class Proposal:
     base: int
     tokens: Any          # int64 [k]
     probs: Any = None    # float [k, vocab] when sampling
+    meta: dict = field(default_factory=dict)   # the first round's: what the draft prefilled
 
 
 @dataclass(frozen=True)

@@ -109,10 +109,13 @@ class Verifier(Stage):
         self.accepted: list[int] = []          # per round
         self.drafted: list[int] = []           # per round
         self.rng = torch.Generator().manual_seed(self.seed + 1)
+        self.info: dict = {}
 
     def __call__(self, ctx, kv: KV, proposal: Proposal):
         if ctx.item == 0:
             self._reset()
+            self.info = {**proposal.meta, "target_prefill": kv.meta.get("prefill"),
+                         "n_video_tokens": kv.meta.get("n_video_tokens")}
         if self.done:
             return {}                 # a proposal drafted ahead of the end: nothing left to check
         draft, q = proposal.tokens.reshape(-1), proposal.probs
@@ -165,7 +168,7 @@ class Verifier(Stage):
         k_max = max(self.drafted, default=0)
         per_position = [round(sum(a > i for a in self.accepted) / max(1, sum(d > i for d in self.drafted)), 4)
                         for i in range(k_max)]
-        meta = {"model": lm.name, "rounds": self.rounds, "stale_proposals": self.stale,
+        meta = {"model": lm.name, **self.info, "rounds": self.rounds, "stale_proposals": self.stale,
                 # M: tokens committed per verification round (the accepted draft tokens + the target's own)
                 "mean_accepted_length": round(len(ids) / rounds, 4) if self.rounds else None,
                 "acceptance_rate": round(sum(self.accepted) / max(1, sum(self.drafted)), 4),

@@ -232,3 +232,28 @@ def test_quickvideo_rejects_a_bad_prune_block(tmp_path):
     out = run("+experiment=quickvideo", "graph.prune.importance=l1", f"hydra.run.dir={tmp_path}")
     assert out.returncode != 0
     assert "importance must be one of key_norm, value_norm, attention, random" in out.stderr
+
+
+@pytest.mark.parametrize("case", sorted(p.stem for p in (ROOT / "conf" / "sd_case").glob("*.yaml")))
+def test_every_speculative_bench_case_composes_and_validates(case):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=bench_sd", f"sd_case={case}"])
+    spec, _ = prepare(cfg)
+    assert ("verify" in spec.nodes) == (case != "ar")
+
+
+def test_speculative_methods_give_the_autoregressive_answer_on_the_sample(tmp_path):
+    """The README's speculative commands on the bundled video: the toy pair, greedy, the same
+    tokens as `python -m run`, with the speculative metrics in metrics.json."""
+    ar = run(f"hydra.run.dir={tmp_path / 'ar'}")
+    assert ar.returncode == 0, ar.stderr
+    expected = json.loads((tmp_path / "ar" / "metrics.json").read_text())["output_ids"]
+    for name in ("vanilla_sd", "parallelvlm", "specvlm", "parallelvlm_self"):
+        out = run(f"+experiment={name}", f"hydra.run.dir={tmp_path / name}")
+        assert out.returncode == 0, out.stderr
+        metrics = json.loads((tmp_path / name / "metrics.json").read_text())
+        assert metrics["output_ids"] == expected, name
+        meta = metrics["tokens_meta"]
+        assert meta["rounds"] > 0 and 1 <= meta["mean_accepted_length"] <= meta["window"] + 1
+        if name != "vanilla_sd":
+            assert meta["draft_prefill"]["video_tokens_kept"] == 27          # α = 0.9 of 270
