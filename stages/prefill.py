@@ -262,8 +262,12 @@ class SelectedPrefill(Prefill):
                           torch.arange(end, layout.length)])
         self.cache = self.lm.new_cache()
         logits = self.lm.prefill(self.cache, embeds[keep], layout.positions[:, keep])
+        # where in the video the kept tokens are: the share of them in each tenth of the video (does
+        # a selection pile up at the ends, as attention-guided pruning does in ParallelVLM's Fig. 7a?)
+        tenths = torch.bincount(selection.keep.cpu() * 10 // layout.n_video, minlength=10)
         stats = {"mode": "selected", "logical_length": layout.length, "video_tokens": layout.n_video,
-                 "video_tokens_kept": int(selection.keep.numel()), "kv_bytes": self.lm.cache_bytes(self.cache)}
+                 "video_tokens_kept": int(selection.keep.numel()), "kv_bytes": self.lm.cache_bytes(self.cache),
+                 "kept_share_by_tenth": [round(float(x), 4) for x in tenths / tenths.sum()]}
         kv = KV(self.cache, layout.length, {"layout": layout, "logits": logits, "model": self.lm.name,
                                             "n_video_tokens": layout.n_video, "frames": self.frames, "prefill": stats})
         self._reset()
