@@ -124,13 +124,18 @@ class VideoLM:
     @torch.inference_mode()
     def prefill(self, cache, embeds: torch.Tensor, positions: torch.Tensor, *, taps=(),
                 on_tap: Callable[[int, torch.Tensor], None] | None = None,
-                logits: str = "last", hidden: bool = False):
+                logits: str = "last", hidden: bool = False,
+                drop_after: int | None = None, choose: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """Runs `embeds` [n, hidden] at `positions` [P, n] through the decoder, appending to `cache`.
 
         taps: layer numbers l (1..n_layers; l is the output of layer l, 0 the embeddings) whose
         hidden states [n, hidden] are handed to `on_tap(l, h)` as soon as layer l is done.
         logits: "last" -> [vocab] of the last token, "all" -> [n, vocab], "none" -> None.
         hidden: also return the final-norm hidden states [n, hidden] (returns (logits, hidden)).
+        drop_after, choose: FastV inside the forward: after layer `drop_after`, `choose(attention)`
+        gets the last token's attention at that layer over the cache (float [n_cached + n]) and
+        returns the indices (into this span, sorted) of the tokens the later layers keep; those
+        layers then compute and cache only them (needs attn_implementation="reelflow").
         """
         from transformers.masking_utils import create_causal_mask
 
@@ -153,7 +158,19 @@ class VideoLM:
         if 0 in taps and on_tap:
             on_tap(0, x[0])
         for i, layer in enumerate(self.text.layers):
-            x = layer(x, attention_mask=mask_for(i), position_embeddings=rope, past_key_values=cache, use_cache=True)
+            if drop_after is not None and i + 1 == drop_after:
+                from models.attention import NAME, capture_last_row
+
+                if self.text_config._attn_implementation != NAME:
+                    raise ValueError(f"drop_after needs attn_implementation={NAME!r} (it reads the layer's attention)")
+                with capture_last_row([i]) as row:
+                    x = layer(x, attention_mask=mask_for(i), position_embeddings=rope, past_key_values=cache,
+                              use_cache=True)
+                keep = choose(row[i]).to(x.device)
+                x, rope = x[:, keep], tuple(r.index_select(-2, keep) for r in rope)
+                masks.clear()
+            else:
+                x = layer(x, attention_mask=mask_for(i), position_embeddings=rope, past_key_values=cache, use_cache=True)
             if i + 1 in taps and on_tap:
                 on_tap(i + 1, x[0])
         x = self.text.norm(x)[0]

@@ -14,6 +14,9 @@ model loaded with attn_implementation="reelflow" runs it inside its own attentio
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 NAME = "reelflow"
@@ -41,10 +44,41 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.view(b, kv_heads, group, q, d).reshape(b, h, q, d).transpose(1, 2)
 
 
+_LAST_ROW: contextvars.ContextVar[dict | None] = contextvars.ContextVar("reelflow_last_row", default=None)
+
+
+@contextlib.contextmanager
+def capture_last_row(layers):
+    """Inside the block, attention layers (0-based `layer_idx`) in `layers` record the last query
+    token's attention probabilities over all keys, averaged over heads (float32 [k]) into the
+    yielded dict: what FastV ranks visual tokens by, without materialising an [n, n] map."""
+    captured: dict[int, torch.Tensor] = {}
+    token = _LAST_ROW.set({"layers": set(layers), "out": captured})
+    try:
+        yield captured
+    finally:
+        _LAST_ROW.reset(token)
+
+
+def _record_last_row(module, query, key, attention_mask, scale) -> None:
+    want = _LAST_ROW.get()
+    if not want or getattr(module, "layer_idx", None) not in want["layers"]:
+        return
+    group = query.shape[1] // key.shape[1]
+    q = query[:, :, -1:].float()                                               # [b, h, 1, d]
+    k = key.float().repeat_interleave(group, 1)                                # [b, h, k, d]
+    scores = (q @ k.transpose(-1, -2))[:, :, 0] * scale                        # [b, h, k]
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask[:, :, -1, : k.shape[2]], float("-inf"))
+    want["out"][module.layer_idx] = scores.softmax(-1).mean(1)[0]
+
+
 def reelflow_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
                        **kwargs):
     """transformers' attention-function signature; returns (output [b, q, h, d], None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    _record_last_row(module, query, key, attention_mask, scaling if scaling is not None else query.shape[-1] ** -0.5)
 
     if query.shape[2] > SMALL_QUERY or dropout or module.training:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

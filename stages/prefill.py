@@ -47,7 +47,7 @@ class Prefill(Stage):
 
     def __init__(self, model: dict, mode: str = "one_shot", max_new_tokens: int = 256, group_frames: int = 0,
                  prune: dict | None = None, measure_memory: bool = False, taps: list | None = None,
-                 attention: list | None = None):
+                 attention: list | None = None, fastv: dict | None = None):
         if mode not in ("one_shot", "groups"):
             raise ValueError(f"mode must be one_shot or groups, got {mode!r}")
         if group_frames < 0:
@@ -62,6 +62,11 @@ class Prefill(Stage):
             raise ValueError("taps are published by the one-shot prefill (mode=one_shot)")
         if self.taps and self.taps[0] < 0:
             raise ValueError(f"taps are layer numbers ≥ 0 (0: the embeddings), got {self.taps}")
+        self.fastv = dict(fastv) if fastv else None
+        if self.fastv:        # FastV (lossy): after layer K only the most attended visual tokens go on
+            if set(self.fastv) != {"layer", "keep"} or mode != "one_shot" or int(self.fastv["layer"]) < 1 \
+                    or not 0 < float(self.fastv["keep"]) <= 1:
+                raise ValueError(f"fastv: {{layer: K ≥ 1, keep: share in (0, 1]}} with mode=one_shot, got {fastv}")
         self.attention = sorted(int(a) for a in (attention or []))
         if self.attention and (mode != "one_shot" or self.attention[0] < 1):
             raise ValueError(f"attention: layer numbers ≥ 1 whose text-query attention the one-shot prefill "
@@ -162,7 +167,10 @@ class Prefill(Stage):
             self._check_context(layout)
             self.cache = self.lm.new_cache()
             embeds = self.lm.embed(layout.ids, torch.cat(self.pending), layout.video_start)
-            if not self.attention:
+            if self.fastv:
+                logits = self.lm.prefill(self.cache, embeds, layout.positions, drop_after=int(self.fastv["layer"]),
+                                         choose=self._fastv_choice(layout))
+            elif not self.attention:
                 logits = self.lm.prefill(self.cache, embeds, layout.positions, taps=self.taps,
                                          on_tap=self._tap_publisher(ctx, layout))
             else:   # the text after the video separately, with its attention over the prompt (eager)
@@ -190,6 +198,16 @@ class Prefill(Stage):
                                             "prefill": stats})
         self._reset()
         return {"kv": kv}
+
+    def _fastv_choice(self, layout):
+        """The span indices later layers keep: all text, and the ⌈keep·m⌉ video tokens the last
+        token attends to most at layer K."""
+        def choose(attention: torch.Tensor) -> torch.Tensor:
+            start, end = layout.video_start, layout.video_start + layout.n_video
+            k = max(1, math.ceil(round(float(self.fastv["keep"]) * layout.n_video, 9)))
+            video = start + attention[start:end].float().topk(k).indices.sort().values.cpu()
+            return torch.cat([torch.arange(start), video, torch.arange(end, layout.length)])
+        return choose
 
     def _tap_publisher(self, ctx, layout):
         """on_tap for the adapter: collects the requested layers' hidden states and publishes them

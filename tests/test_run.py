@@ -248,12 +248,15 @@ def test_speculative_methods_give_the_autoregressive_answer_on_the_sample(tmp_pa
     ar = run(f"hydra.run.dir={tmp_path / 'ar'}")
     assert ar.returncode == 0, ar.stderr
     expected = json.loads((tmp_path / "ar" / "metrics.json").read_text())["output_ids"]
-    for name in ("vanilla_sd", "parallelvlm", "specvlm", "parallelvlm_self"):
+    for name in ("vanilla_sd", "parallelvlm", "specvlm", "parallelvlm_self", "fastv_verified"):
         out = run(f"+experiment={name}", f"hydra.run.dir={tmp_path / name}")
         assert out.returncode == 0, out.stderr
         metrics = json.loads((tmp_path / name / "metrics.json").read_text())
         assert metrics["output_ids"] == expected, name
         meta = metrics["tokens_meta"]
         assert meta["rounds"] > 0 and 1 <= meta["mean_accepted_length"] <= meta["window"] + 1
-        if name != "vanilla_sd":
+        if name in ("parallelvlm", "specvlm", "parallelvlm_self"):
             assert meta["draft_prefill"]["video_tokens_kept"] == 27          # α = 0.9 of 270
+        if name == "fastv_verified":                                          # the pruned target drafts: A < 1
+            assert meta["draft_prefill"]["video_tokens_kept"] == [270, 270, 135, 135, 135, 135]
+            assert 0.3 < meta["acceptance_rate"] < 1

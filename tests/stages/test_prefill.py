@@ -189,3 +189,39 @@ def test_a_decode_failure_mid_stream_cancels_the_prefill_cleanly(qwen, no_leftov
     with Executor(spec, plan, progress=False) as ex:
         with pytest.raises(StageFailed, match="decode.*corrupt packet"):
             ex.run(Request("v", video, PROMPT))
+
+
+@pytest.mark.parametrize("keep", [1.0, 0.3])
+def test_fastv_drops_visual_tokens_after_layer_k_only(tmp_path, keep):
+    """FastV inside the forward: layers ≤ K cache every token, later layers only the kept ones;
+    keeping every token is exactly the unpruned forward (the drop machinery changes nothing else),
+    and decoding from a FastV cache continues at the logical positions."""
+    path = random_checkpoint(tmp_path / "model", "qwen-target", seed=4)
+    video = tmp_path / "toy.mp4"
+    make_video(21, 12, 2, 84, video)
+    request = Request("v", str(video), PROMPT)
+    model = {"path": str(path), "fps": 2, "size": 84, "attn_implementation": "reelflow"}
+    try:
+        out = {}
+        for name, extra in (("plain", {}), ("fastv", {"fastv": {"layer": 2, "keep": keep}})):
+            stage = Prefill(model, **extra)
+            stage.setup(_Ctx(0, request))
+            frames, _ = read_video(str(video), fps=2, size=84)
+            stage(_Ctx(0, request), VisualTokens(0, stage.lm.encode(frames), {"frames": 24, "frame_hw": (84, 84), "fps": 2.0},
+                                                 last=True), request)
+            out[name] = stage.finish(_Ctx(1, request))["kv"]
+        lm, layout = stage.lm, out["plain"].meta["layout"]
+        lengths = lm.layer_lengths(out["fastv"].cache)
+        kept = math.ceil(keep * layout.n_video)
+        text = layout.length - layout.n_video
+        assert lengths == [layout.length] * 2 + [text + kept] * 4
+        token = torch.tensor([int(out["plain"].meta["logits"].argmax())])
+        a = lm.score(out["plain"].cache, token, layout.length, layout)
+        b = lm.score(out["fastv"].cache, token, layout.length, layout)
+        if keep == 1.0:
+            torch.testing.assert_close(out["fastv"].meta["logits"], out["plain"].meta["logits"], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        else:
+            assert not torch.allclose(a, b, atol=1e-3)
+    finally:
+        release_all()
