@@ -192,7 +192,7 @@ class UVPrune(Stage):
     variant: as_written | telescoped | absolute; text: query (the prompt after the video: the
     question) | all (every text token of the prompt, the chat template's too)."""
 
-    placement = "cpu"
+    placement = "gpu"                    # it computes where the target's hidden states are
     inputs = {"taps": In(Taps)}
     outputs = {"selection": Out(Selection)}
 
@@ -249,7 +249,7 @@ class AttentionPrune(Stage):
     alpha: pruning ratio (keeps ⌈(1 − α)·m⌉); mass: the attention share the top tokens must cover
     before the rest of the budget is spread uniformly over the video."""
 
-    placement = "cpu"
+    placement = "gpu"                    # it computes where the target's hidden states are
     inputs = {"taps": In(Taps)}          # the prefill's `attention` tap: layer -> [n_query, seq] probabilities
     outputs = {"selection": Out(Selection)}
 
