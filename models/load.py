@@ -79,6 +79,23 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
     return lm
 
 
+def tokenizer_of(path: str, name: str | None = None):
+    """What `shared_vocabulary` reads of a checkpoint (its tokenizer, lm_head size and name)
+    without loading its weights: a draft checks its target this way on a device of its own."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    where = resolve(path)
+    try:
+        config = AutoConfig.from_pretrained(where, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(where)
+    except (OSError, ValueError):
+        raise ModelError(f"model path {path!r}: no usable checkpoint (config and tokenizer)") from None
+    text = getattr(config, "text_config", config)
+    return SimpleNamespace(tokenizer=tokenizer, vocab_size=text.vocab_size, name=name or Path(where).name)
+
+
 def shared_vocabulary(target, draft) -> int:
     """The vocabulary size both models can be compared over: their tokenizers must agree on every
     token id below it; lm_head rows past the tokenizer (padding) are sliced off."""

@@ -30,24 +30,31 @@ from stages.types import KV, Proposal, Verdict
 class ModelDraft(Stage):
     """model: the draft entry; window: tokens per round (γ); temperature, top_k, top_p, seed: as
     the verifier's; vocab: the shared vocabulary size (0: the tokenizer's); max_new_tokens: no
-    round drafts past it."""
+    round drafts past it; target: the target's entry, whose tokenizer must be the draft's (checked
+    at setup: a clear error otherwise)."""
 
     placement = "gpu"
     inputs = {"kv": In(KV), "verdict": In(Verdict, stream=True)}
     outputs = {"proposal": Out(Proposal, stream=True)}
 
     def __init__(self, model: dict, window: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int = 0, vocab: int = 0, max_new_tokens: int = 256):
+                 seed: int = 0, vocab: int = 0, max_new_tokens: int = 256, target: dict | None = None):
         if window < 1:
             raise ValueError(f"window must be ≥ 1, got {window}")
         if temperature < 0:
             raise ValueError(f"temperature must be ≥ 0, got {temperature}")
         self.model, self.window, self.max_new_tokens = dict(model), window, max_new_tokens
         self.temperature, self.top_k, self.top_p, self.seed, self.vocab = temperature, top_k, top_p, seed, vocab
+        self.target = dict(target) if target else None
         self.lm = None
 
     def setup(self, ctx) -> None:
         self.lm = get_model(self.model, ctx.device)
+        if self.target:     # one tokenizer, or no speculative decoding (lm_head padding alone is sliced off)
+            from models.load import shared_vocabulary, tokenizer_of
+
+            shared = shared_vocabulary(tokenizer_of(self.target["path"], self.target.get("name")), self.lm)
+            self.vocab = min(self.vocab, shared) if self.vocab else shared
         self._reset()
 
     def _reset(self) -> None:

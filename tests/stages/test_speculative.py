@@ -171,3 +171,26 @@ def test_specvlm_attention_guided_draft_is_token_identical_to_generate(pair):
     target, draft, video = pair
     tokens = run_sd(parallelvlm_nodes(target, draft, alpha=0.8, attention=True, window=3), video)
     assert tokens.ids == reference_ids(target, video, PROMPT, 24)
+
+
+def test_a_draft_with_another_tokenizer_is_refused_at_setup(pair, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from models.load import ModelError
+    from stages.draft import ModelDraft
+
+    target, draft, _ = pair
+    other = tmp_path / "other-draft"
+    shutil.copytree(draft["path"], other)
+    tokenizer = AutoTokenizer.from_pretrained(other)
+    tokenizer.add_tokens(["zebra"])
+    tokenizer.save_pretrained(other)
+
+    class Ctx:
+        device, item, node = "cpu", 0, "draft"
+
+    with pytest.raises(ModelError, match="different tokenizers.*zebra"):
+        ModelDraft({**draft, "path": str(other)}, target=target).setup(Ctx())
+    ModelDraft(draft, target=target).setup(Ctx())          # the pair's own draft passes
