@@ -6,6 +6,8 @@ stay lossless (DESIGN.md pitfall 5), so it is one pure function both use.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -38,3 +40,34 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """probs [..., V] -> int64 [...]: one draw per row."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The decoding rule a stage applies to logits: temperature 0 is greedy; otherwise warp (the
+    same for a draft and its target) and draw."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be ≥ 0, got {self.temperature}")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_k must be ≥ 0 and top_p in (0, 1], got top_k={self.top_k}, top_p={self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., V] -> the warped distribution [..., V] (sampling only)."""
+        return warp(logits, self.temperature, self.top_k, self.top_p)
+
+    def pick(self, logits: torch.Tensor, generator: torch.Generator | None = None) -> tuple[int, torch.Tensor | None]:
+        """logits [V] -> (the next token, the distribution it was drawn from; None when greedy)."""
+        if self.greedy:
+            return int(greedy(logits)), None
+        q = self.probs(logits)
+        return int(sample(q, generator)), q

@@ -23,7 +23,7 @@ import torch
 
 from graph.stage import In, Out, Stage
 from models.registry import get_model
-from models.sampling import sample, warp
+from models.sampling import Sampling
 from stages.types import KV, Proposal, Verdict
 
 
@@ -41,10 +41,8 @@ class ModelDraft(Stage):
                  seed: int = 0, vocab: int = 0, max_new_tokens: int = 256, target: dict | None = None):
         if window < 1:
             raise ValueError(f"window must be ≥ 1, got {window}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be ≥ 0, got {temperature}")
         self.model, self.window, self.max_new_tokens = dict(model), window, max_new_tokens
-        self.temperature, self.top_k, self.top_p, self.seed, self.vocab = temperature, top_k, top_p, seed, vocab
+        self.sampling, self.seed, self.vocab = Sampling(temperature, top_k, top_p), seed, vocab
         self.target = dict(target) if target else None
         self.lm = None
 
@@ -107,11 +105,8 @@ class ModelDraft(Stage):
                 self.in_cache += pending.shape[0]
             else:                         # nothing after the prompt yet: the prefill's logits
                 logits = kv.meta["logits"][:vocab]
-            if self.temperature == 0:
-                token = int(logits.argmax())
-            else:
-                q = warp(logits, self.temperature, self.top_k, self.top_p)
-                token = int(sample(q, self.rng))
+            token, q = self.sampling.pick(logits, self.rng)
+            if q is not None:
                 probs.append(q)
             tokens.append(token)
             pending = torch.tensor([token])

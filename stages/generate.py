@@ -11,7 +11,7 @@ import torch
 
 from graph.stage import In, Out, Stage
 from models.registry import get_model
-from models.sampling import greedy, sample, warp
+from models.sampling import Sampling
 from stages.types import KV, Tokens
 
 
@@ -24,19 +24,15 @@ class Generate(Stage):
                  top_p: float = 1.0, seed: int = 0):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be ≥ 0, got {temperature}")
-        self.model, self.max_new_tokens = dict(model), max_new_tokens
-        self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
+        self.model, self.max_new_tokens, self.seed = dict(model), max_new_tokens, seed
+        self.sampling = Sampling(temperature, top_k, top_p)
         self.lm = None
 
     def setup(self, ctx) -> None:
         self.lm = get_model(self.model, ctx.device)
 
     def _pick(self, logits: torch.Tensor, rng: torch.Generator) -> int:
-        if self.temperature == 0:
-            return int(greedy(logits))
-        return int(sample(warp(logits, self.temperature, self.top_k, self.top_p), rng))
+        return self.sampling.pick(logits, rng)[0]
 
     def __call__(self, ctx, kv: KV):
         lm, layout, cache = self.lm, kv.meta["layout"], kv.cache

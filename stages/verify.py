@@ -31,7 +31,7 @@ import torch
 
 from graph.stage import In, Out, Stage
 from models.registry import get_model
-from models.sampling import sample, warp
+from models.sampling import Sampling, sample
 from stages.types import KV, Proposal, Tokens, Verdict
 
 
@@ -92,10 +92,8 @@ class Verifier(Stage):
                  top_p: float = 1.0, seed: int = 0, vocab: int = 0):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be ≥ 0, got {temperature}")
         self.model, self.max_new_tokens = dict(model), max_new_tokens
-        self.temperature, self.top_k, self.top_p, self.seed, self.vocab = temperature, top_k, top_p, seed, vocab
+        self.sampling, self.seed, self.vocab = Sampling(temperature, top_k, top_p), seed, vocab
         self.lm = None
 
     def setup(self, ctx) -> None:
@@ -137,11 +135,10 @@ class Verifier(Stage):
             logits = kv.meta["logits"][None] if scored is None else torch.cat([kv.meta["logits"][None], scored])
         vocab = self.vocab or len(lm.tokenizer)
         logits = logits[:, :vocab]
-        if self.temperature == 0:
+        if self.sampling.greedy:
             accepted, token = greedy_verify(draft, logits)
         else:
-            p = warp(logits, self.temperature, self.top_k, self.top_p)
-            accepted, token = speculative_verify(draft, q[:, :vocab], p, self.rng)
+            accepted, token = speculative_verify(draft, q[:, :vocab], self.sampling.probs(logits), self.rng)
         before = len(self.committed)
         self.committed, self.done = commit(self.committed, draft[:accepted].tolist(), token, lm.eos_ids,
                                            self.max_new_tokens)
