@@ -5,29 +5,45 @@
     probe.peak_bytes        # most bytes held at once inside the block, minus those held before
 
 On a CUDA device this is the allocator's own peak (`max_memory_allocated`, reset on entry). On a
-CPU it is the process's resident-set high-water mark, reset on entry through
-/proc/self/clear_refs (Linux ≥ 4.0): it also counts what other threads allocate meanwhile and
-what the C allocator keeps after a free, so it is a bound, best read as a comparison between
-runs of one process shape. Elsewhere `peak_bytes` is None.
+CPU, where torch keeps no allocator statistics, it counts tensors: every storage an operation
+creates inside the block is tracked (a weak reference: it counts while anything, a view
+included, keeps it alive), and the peak of their sum is taken after each operation. Storages still
+alive at the end (what the block returns or stores, like new cache entries) are not part of the
+peak, so what it reports is the work's transient memory: its activations. Exact, but every torch
+operation in the block pays a Python call, so it is for measuring runs, not timed ones.
 """
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
 
+class _LiveStorages(TorchDispatchMode):
+    """Sums the bytes of the storages created inside the mode that are still alive."""
 
-def _rss_kib(field: str) -> int | None:
-    try:
-        match = re.search(rf"^{field}:\s+(\d+) kB", _STATUS.read_text(), re.M)
-    except OSError:
-        return None
-    return int(match.group(1)) if match else None
+    def __init__(self):
+        super().__init__()
+        self.tracked: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.tracked:
+                    self.tracked[key] = (StorageWeakRef(storage), storage.nbytes())
+        self.peak = max(self.peak, self.live())
+        return out
+
+    def live(self) -> int:
+        for key in [k for k, (ref, _) in self.tracked.items() if ref.expired()]:
+            del self.tracked[key]
+        return sum(n for _, n in self.tracked.values())
 
 
 class PeakMemory:
@@ -36,26 +52,23 @@ class PeakMemory:
         self.device = device
         self.peak_bytes: int | None = None
         self._base = None
+        self._mode: _LiveStorages | None = None
 
     def __enter__(self) -> "PeakMemory":
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
-            return self
-        try:
-            _CLEAR_REFS.write_text("5")       # 5: reset the peak RSS to the current RSS
-            self._base = _rss_kib("VmRSS")
-        except OSError:
-            self._base = None
+        else:
+            self._mode = _LiveStorages()
+            self._mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._base is None:
-            return
         if self.cuda:
             torch.cuda.synchronize(self.device)
             self.peak_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - self._base)
-        else:
-            peak = _rss_kib("VmHWM")
-            self.peak_bytes = None if peak is None else max(0, peak - self._base) * 1024
+            return
+        mode, self._mode = self._mode, None
+        mode.__exit__(*exc)
+        self.peak_bytes = max(0, mode.peak - mode.live())
