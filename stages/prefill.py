@@ -138,11 +138,13 @@ class Prefill(Stage):
         n = embeds.shape[0]
         stop = layout.video_start + self.video_done + n
         offset = layout.video_start + self.video_done - self.done     # where this group's rows start in the span
+        # the group's forward only: pruning copies the cache (DynamicCache's index_select), which
+        # is this implementation's cost, not the group's
         with PeakMemory(self.lm.device) if self.measure_memory else _NoProbe() as probe:
             self.lm.prefill(self.cache, self.lm.embed(layout.ids[self.done:stop], embeds, offset),
                             layout.positions[:, self.done:stop], logits="none")
-            if self.pruner is not None:
-                self._prune_group(layout, n)
+        if self.pruner is not None:
+            self._prune_group(layout, n)
         self.peaks.append(probe.peak_bytes)
         self.video_done, self.done, self.groups = self.video_done + n, stop, self.groups + 1
 
