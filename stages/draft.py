@@ -15,9 +15,18 @@ whose prefill ends before the target's has its first window ready when the targe
 (ParallelVLM's start-up tokens). On a verdict the draft rolls its cache back to the longest prefix it shares with the committed
 sequence. With temperature > 0 each proposal carries the draft's warped distributions q, which
 the verifier needs for the acceptance rule; the draft's vocabulary is sliced to the shared one.
+
+`window: auto` sets γ the way ParallelVLM's Eq. 6 does, γ = c* = Tp / Tq(α): the draft times its
+own forwards (Tq, per drafted token, on its pruned cache) and reads the target's verification
+time (Tp) off each verdict, and after every verdict drafts the next round with
+γ = round(mean Tp / mean Tq), clamped to 1..max_window. The seed fixes γ once from measured
+times; measuring online is the same rule without a calibration run, and it follows the times as
+the caches grow. Until the first verdict it drafts `start_window` tokens.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -28,19 +37,27 @@ from stages.types import KV, Proposal, Verdict
 
 
 class ModelDraft(Stage):
-    """model: the draft entry; window: tokens per round (γ); temperature, top_k, top_p, seed: as
-    the verifier's; vocab: the shared vocabulary size (0: the tokenizer's); max_new_tokens: no
-    round drafts past it; target: the target's entry, whose tokenizer must be the draft's (checked
-    at setup: a clear error otherwise)."""
+    """model: the draft entry; window: tokens per round (γ), or "auto" (γ = Tp / Tq measured, see
+    above; start_window before the first verdict, at most max_window); temperature, top_k, top_p,
+    seed: as the verifier's; vocab: the shared vocabulary size (0: the tokenizer's);
+    max_new_tokens: no round drafts past it; target: the target's entry, whose tokenizer must be
+    the draft's (checked at setup: a clear error otherwise)."""
 
     placement = "gpu"
     inputs = {"kv": In(KV), "verdict": In(Verdict, stream=True)}
     outputs = {"proposal": Out(Proposal, stream=True)}
 
-    def __init__(self, model: dict, window: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                 seed: int = 0, vocab: int = 0, max_new_tokens: int = 256, target: dict | None = None):
-        if window < 1:
-            raise ValueError(f"window must be ≥ 1, got {window}")
+    def __init__(self, model: dict, window: int | str = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = 0, vocab: int = 0, max_new_tokens: int = 256, target: dict | None = None,
+                 start_window: int = 4, max_window: int = 16):
+        self.auto = window == "auto"
+        if self.auto:
+            window = start_window
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"window must be an integer ≥ 1 or 'auto', got {window!r}")
+        if not 1 <= start_window <= max_window:
+            raise ValueError(f"need 1 ≤ start_window ≤ max_window, got {start_window} and {max_window}")
+        self.start_window, self.max_window = start_window, max_window
         self.model, self.window, self.max_new_tokens = dict(model), window, max_new_tokens
         self.sampling, self.seed, self.vocab = Sampling(temperature, top_k, top_p), seed, vocab
         self.target = dict(target) if target else None
@@ -61,21 +78,31 @@ class ModelDraft(Stage):
         self.in_cache = 0                  # how many of `sequence` the draft's cache holds
         self.round = 0
         self.rng = torch.Generator().manual_seed(self.seed + 2)
+        if self.auto:
+            self.window = self.start_window
+        self.tp = [0.0, 0]                 # the target's verification time: sum, count
+        self.tq = [0.0, 0]                 # the draft's time per drafted token: sum, count
 
     def __call__(self, ctx, kv: KV, verdict: Verdict | None):
         if ctx.item == 0:
             self._reset()
         if verdict is not None and not verdict.stale:
             self._apply(kv, verdict)
+            if self.auto and verdict.verify_s > 0 and self.tq[1]:
+                self.tp = [self.tp[0] + verdict.verify_s, self.tp[1] + 1]
+                self.window = auto_window(self.tp[0] / self.tp[1], self.tq[0] / self.tq[1], self.max_window)
         if len(self.sequence) >= self.max_new_tokens:
             return {}                     # everything left is in flight already
         base = len(self.sequence)
         tokens, probs = self._draft(kv, min(self.window, self.max_new_tokens - base))
         self.sequence += tokens
         self.round += 1
-        meta = {}
+        meta = {"window": self.window}
+        if self.tq[1]:
+            meta["tq_s"] = self.tq[0] / self.tq[1]
         if self.round == 1:      # what the draft works from, for the run's metrics
-            meta = {"draft_model": self.lm.name, "window": self.window, "draft_prefill": kv.meta.get("prefill")}
+            meta |= {"draft_model": self.lm.name, "window_setting": "auto" if self.auto else self.window,
+                     "draft_prefill": kv.meta.get("prefill")}
         ctx.emit("proposal", Proposal(self.round, base, torch.tensor(tokens), torch.stack(probs) if probs else None,
                                       meta))
         return {}
@@ -100,14 +127,25 @@ class ModelDraft(Stage):
         pending = torch.tensor(self.sequence[self.in_cache:], dtype=torch.long)
         tokens, probs = [], []
         for _ in range(k):
+            started = time.perf_counter()
             if pending.shape[0]:
                 logits = lm.score(kv.cache, pending, kv.logical_length + self.in_cache, layout)[-1, :vocab]
                 self.in_cache += pending.shape[0]
             else:                         # nothing after the prompt yet: the prefill's logits
                 logits = kv.meta["logits"][:vocab]
             token, q = self.sampling.pick(logits, self.rng)
+            if pending.shape[0] == 1:     # one drafted token's forward (pick() waited for it): Tq
+                self.tq = [self.tq[0] + time.perf_counter() - started, self.tq[1] + 1]
             if q is not None:
                 probs.append(q)
             tokens.append(token)
             pending = torch.tensor([token])
         return tokens, probs
+
+
+def auto_window(tp_s: float, tq_s: float, max_window: int) -> int:
+    """ParallelVLM's Eq. 6: γ = c* = Tp / Tq, rounded, within 1..max_window. At that γ, drafting a
+    round takes as long as verifying one, so neither side of the overlapped pipeline waits."""
+    if tq_s <= 0:
+        return max_window
+    return max(1, min(max_window, round(tp_s / tq_s)))

@@ -119,6 +119,7 @@ class Verdict:
     length: int          # committed length after this verdict
     stale: bool = False  # the proposal was built on a prefix already rejected
     done: bool = False
+    verify_s: float = 0.0  # the target's time for this verification (its forward and the rule): Tp, for `window: auto`
 
 
 @dataclass(frozen=True)

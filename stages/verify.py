@@ -27,6 +27,8 @@ EOS and max_new_tokens inside an accepted block cut the block there (DESIGN pitf
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from graph.stage import In, Out, Stage
@@ -108,6 +110,9 @@ class Verifier(Stage):
         self.drafted: list[int] = []           # per round
         self.rng = torch.Generator().manual_seed(self.seed + 1)
         self.info: dict = {}
+        self.verify_s: list[float] = []        # per round: the forward and the rule (Tp)
+        self.windows: list[int] = []           # per round: the γ the draft used
+        self.tq_s: float | None = None         # the draft's own measure of one drafted token (Tq)
 
     def __call__(self, ctx, kv: KV, proposal: Proposal):
         if ctx.item == 0:
@@ -126,6 +131,7 @@ class Verifier(Stage):
             return {}
         draft, q = draft[overlap:], (q[overlap:] if q is not None else None)
         lm, layout = self.lm, kv.meta["layout"]
+        started = time.perf_counter()
         pending = torch.tensor(self.committed[self.in_cache:], dtype=torch.long)
         if pending.shape[0]:          # the last committed token(s) and the draft, in one forward
             logits = lm.score(kv.cache, torch.cat([pending, draft]), kv.logical_length + self.in_cache, layout)
@@ -139,6 +145,11 @@ class Verifier(Stage):
             accepted, token = greedy_verify(draft, logits)
         else:
             accepted, token = speculative_verify(draft, q[:, :vocab], self.sampling.probs(logits), self.rng)
+        spent = time.perf_counter() - started      # int() above waited for the device: the whole forward
+        self.verify_s.append(spent)
+        self.windows.append(proposal.meta.get("window", int(draft.shape[0])))
+        if "tq_s" in proposal.meta:
+            self.tq_s = proposal.meta["tq_s"]
         before = len(self.committed)
         self.committed, self.done = commit(self.committed, draft[:accepted].tolist(), token, lm.eos_ids,
                                            self.max_new_tokens)
@@ -155,7 +166,7 @@ class Verifier(Stage):
         if self.done:
             ctx.end("verdict")
             return {}
-        ctx.emit("verdict", Verdict(proposal.round, accepted, token, len(self.committed)))
+        ctx.emit("verdict", Verdict(proposal.round, accepted, token, len(self.committed), verify_s=spent))
         return {}
 
     def finish(self, ctx):
@@ -170,6 +181,10 @@ class Verifier(Stage):
                 "mean_accepted_length": round(len(ids) / rounds, 4) if self.rounds else None,
                 "acceptance_rate": round(sum(self.accepted) / max(1, sum(self.drafted)), 4),
                 "per_position_acceptance": per_position,
+                "window_mean": round(sum(self.windows) / len(self.windows), 3) if self.windows else None,
+                "window_last": self.windows[-1] if self.windows else None,
+                "tp_ms": round(1000 * sum(self.verify_s) / len(self.verify_s), 3) if self.verify_s else None,
+                "tq_ms": round(1000 * self.tq_s, 3) if self.tq_s else None,
                 "stopped": "eos" if ids and ids[-1] in lm.eos_ids else "max_new_tokens"}
         out = Tokens(list(ids), lm.tokenizer.decode(ids, skip_special_tokens=True), meta)
         self._reset()

@@ -112,6 +112,31 @@ def test_a_draft_that_always_agrees_commits_window_plus_one_per_round(pair, prim
         assert tokens.meta["rounds"] == 6 and tokens.meta["mean_accepted_length"] == 3.5   # 5 x 4 + 1 = 21
 
 
+def test_auto_window_is_the_seeds_eq6_within_bounds():
+    from stages.draft import auto_window
+
+    assert auto_window(0.420, 0.047, 16) == 9          # ParallelVLM's example: Tp 420 ms, Tq(α=0.9) 47 ms
+    assert auto_window(0.420, 0.078, 16) == 5          # ... and unpruned, Tq 78 ms
+    assert auto_window(0.010, 0.050, 16) == 1          # a draft slower than the target: one token
+    assert auto_window(1.0, 0.001, 12) == 12           # never past max_window
+    assert auto_window(1.0, 0.0, 7) == 7
+
+
+@pytest.mark.parametrize("prime", [1, 2])
+def test_auto_window_is_lossless_and_reports_the_measured_times(pair, prime):
+    """window=auto: γ follows the measured Tp / Tq after the first verdict; the output stays the
+    target's own, and the metrics carry the γ per round and the times it came from."""
+    target, draft, video = pair
+    nodes = sd_nodes(target, draft, window="auto", prime=prime)
+    nodes["draft"]["stage"].update(start_window=2, max_window=6)
+    tokens = run_sd(nodes, video)
+    assert tokens.ids == reference_ids(target, video, PROMPT, 24)
+    meta = tokens.meta
+    assert meta["window_setting"] == "auto" and meta["window"] == 2        # round 1: start_window
+    assert meta["tp_ms"] > 0 and meta["tq_ms"] > 0
+    assert 1 <= meta["window_last"] <= 6 and 1 <= meta["window_mean"] <= 6
+
+
 @pytest.mark.parametrize("limit", [2, 7, 10])
 def test_max_new_tokens_inside_an_accepted_block(pair, limit):
     target, _, video = pair
