@@ -109,8 +109,9 @@ def cpu_seconds() -> float | None:
 
 
 def mean_tree(runs: list[dict]) -> dict:
-    """The mean of every numeric leaf the runs share (nested dicts recursed; booleans, strings
-    and lists skipped): the summary of a multi-request run."""
+    """The mean of every numeric leaf the runs share (nested dicts recursed; lists of numbers of
+    one length averaged element by element, e.g. per-position acceptance; booleans, strings and
+    other lists skipped): the summary of a multi-request run."""
     out: dict = {}
     for key in runs[0]:
         values = [r.get(key) for r in runs]
@@ -118,6 +119,13 @@ def mean_tree(runs: list[dict]) -> dict:
             sub = mean_tree(values)
             if sub:
                 out[key] = sub
-        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        elif all(_number(v) for v in values):
             out[key] = round(sum(values) / len(values), 6)
+        elif (all(isinstance(v, list) and v and all(map(_number, v)) for v in values)
+              and len({len(v) for v in values}) == 1):
+            out[key] = [round(sum(col) / len(col), 6) for col in zip(*values)]
     return out
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -16,6 +16,7 @@ show comes from the experiment's `report:` block, all optional:
       plots:
         - {x: executor.runner, y: wall_s, hue: graph, where: {graph: demo}, title: ...}
         - {x: case, y: [a_s, b_s], kind: stacked, where: {case: [ar, sequential]}}
+        - {y: per_position_acceptance, kind: profile, hue: case, xlabel: position}   # a list-valued column
 
 A row holds the job's overrides, its metrics.json (nested keys joined by dots) and, for keys
 neither sets, its composed config (e.g. graph.prune.ratio). `where` values may be lists (any
@@ -50,6 +51,9 @@ def _flatten(d: dict, prefix: str = "", depth: int = 3) -> dict[str, Any]:
             out.update(_flatten(v, key + ".", depth - 1))
         elif isinstance(v, (int, float, str, bool)) or v is None:
             out[key] = v
+        elif (isinstance(v, list) and v and not key.endswith("_ids")
+              and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)):
+            out[key] = v        # a profile (per position, per tenth of the video; not token ids): `kind: profile`
     return out
 
 
@@ -208,6 +212,9 @@ def plot(rows: list[dict], plots: list[dict], path: Path, swept: list[str]) -> N
         groups = sorted({r.get(hue) for r in sel}, key=str) if hue else [None]
         series = [(y, g) for y in ys for g in groups]
         xs = list(dict.fromkeys(labels))
+        if p.get("kind") == "profile":
+            _profile(ax, p, sel, ys, hue, swept)
+            continue
         stacked = p.get("kind") == "stacked"
         width = 0.8 if stacked else 0.8 / max(1, len(series))
         bottom = [0.0] * len(xs)
@@ -241,6 +248,24 @@ def plot(rows: list[dict], plots: list[dict], path: Path, swept: list[str]) -> N
     plt.close(fig)
 
 
+def _profile(ax, p: dict, rows: list[dict], ys: list[str], hue: str | None, swept: list[str]) -> None:
+    """One line per row (labelled by `hue`, else by the swept keys) of a list-valued column against
+    its index: per-position acceptance, the kept tokens' share in each tenth of the video, ..."""
+    for r in rows:
+        for y in ys:
+            values = r.get(y)
+            if not isinstance(values, list):
+                continue
+            name = str(r.get(hue)) if hue else " ".join(str(r.get(k)) for k in swept) or r["job"]
+            ax.plot(range(len(values)), values, marker="o", ms=3, label=name if len(ys) == 1 else f"{y} {name}")
+    ax.set_xlabel(p.get("xlabel") or "index")
+    ax.set_ylabel(p.get("ylabel") or (ys[0] if len(ys) == 1 else "value"))
+    ax.set_title(p.get("title") or f"{', '.join(ys)}", fontsize=10)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+
 def write_report(sweep_dir: str | Path) -> dict[str, Path]:
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
@@ -268,7 +293,7 @@ def write_report(sweep_dir: str | Path) -> dict[str, Path]:
     with out["csv"].open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=all_cols)
         w.writeheader()
-        w.writerows(rows)
+        w.writerows({k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()} for r in rows)
     plots = spec.get("plots") or [{"y": "wall_s", "title": "wall time (s) per job"}]
     plot(rows, plots, out["png"], swept)
     return out

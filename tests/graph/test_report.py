@@ -281,3 +281,24 @@ def test_config_keys_fill_columns_the_overrides_do_not_set(tmp_path):
     cfg["graph"] = {"prune": {"ratio": 0.25}}
     (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
     assert "| x | 0.25 |" in write_report(d)["md"].read_text()
+
+
+def test_profile_plot_draws_a_list_column_per_row_and_the_csv_keeps_it(tmp_path):
+    """`kind: profile`: a list-valued metric (per tenth of the video, per position) as one line per
+    row against its index; the CSV holds the list as JSON."""
+    d = tmp_path / "sweep"
+    report = {"plots": [{"y": "summary.kept", "kind": "profile", "hue": "case", "xlabel": "tenth"}]}
+    make_job(d, "0", ["+case=uv"], {"wall_s": 1.0, "summary": {"kept": [0.1] * 10}}, report)
+    make_job(d, "1", ["+case=attention"], {"wall_s": 1.0, "summary": {"kept": [0.3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.7]}}, report)
+    out = write_report(d)
+    assert out["png"].read_bytes()[:8] == PNG_MAGIC
+    with out["csv"].open() as f:
+        rows = list(csv.DictReader(f))
+    assert json.loads(rows[1]["summary.kept"])[-1] == 0.7
+
+
+def test_mean_tree_averages_equal_length_number_lists_element_wise():
+    from graph.metrics import mean_tree
+
+    runs = [{"a": 1.0, "p": [1.0, 0.5], "s": "x", "q": [1, 2]}, {"a": 3.0, "p": [0.0, 0.5], "s": "x", "q": [1]}]
+    assert mean_tree(runs) == {"a": 2.0, "p": [0.5, 0.5]}       # lists of unequal length are left out
