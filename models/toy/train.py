@@ -87,15 +87,63 @@ def cell_labels(world: toy.World, fps: float, n_frames: int, frames_per_token: i
     return torch.tensor(rows)
 
 
-def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bool) -> dict:
+# What changed on each visual token's cell during its temporal step (a second training-only target,
+# read from a middle layer of the language model, where a token can compare itself with the same
+# cell one step earlier): caption errors of the first zoo were mostly wrong move directions and
+# repeated or skipped events, i.e. change detection over time, which the per-frame probe above
+# does not teach. A move marks its source cell ("leave") when the glide starts and its destination
+# cell with its direction when the glide ends; a background change marks every cell.
+EVENT_CLASSES = ("none", "appear", "disappear", *toy.DIRECTIONS, "leave", "recolor", "grow", "shrink", "background")
+
+
+def event_labels(world: toy.World, fps: float, n_frames: int, frames_per_token: int) -> torch.Tensor:
+    """int64 [ceil(n_frames / frames_per_token) * 9]: for each visual token (row-major cells of each
+    temporal step), the index in EVENT_CLASSES of what changed on its cell in that step: the step of
+    the first frame that shows the event (frame k shows the world at k / fps s)."""
+    steps = math.ceil(n_frames / frames_per_token)
+    labels = torch.zeros(steps, toy.GRID * toy.GRID, dtype=torch.int64)
+
+    def mark(t: float, cell, name: str) -> None:
+        step = math.ceil(round(t * fps, 6)) // frames_per_token
+        if step < steps:
+            cells = range(toy.GRID * toy.GRID) if cell is None else [cell[1] * toy.GRID + cell[0]]
+            for c in cells:
+                if labels[step, c] == 0:
+                    labels[step, c] = EVENT_CLASSES.index(name)
+
+    where: dict[int, tuple[int, int]] = {}
+    for e, cell in zip(world.truth.events, world.cells):
+        if e.kind == "background":
+            if e.time > 0:
+                mark(e.time, None, "background")
+        elif e.kind == "appear":
+            where[e.obj] = cell
+            mark(e.time, cell, "appear")
+        elif e.kind == "move":
+            mark(e.time, where[e.obj], "leave")
+            mark(e.time + toy.MOVE_S, cell, e.change)
+            where[e.obj] = cell
+        else:
+            mark(e.time, where[e.obj], e.kind)
+            if e.kind == "disappear":
+                del where[e.obj]
+    return labels.reshape(-1)
+
+
+def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bool,
+                 stretch: list[float] | None = None) -> dict:
     """The batch as the transformers model's forward takes it: right-padded ids, the video's
-    pixels, and (with answers) labels that score only the answer and its <|im_end|>."""
+    pixels, and (with answers) labels that score only the answer and its <|im_end|>, plus the
+    training-only per-token targets. `stretch` (Qwen2.5-VL, training only): per example, a factor
+    on the seconds each temporal patch spans, which spreads the video's temporal positions over a
+    longer range (see Batches)."""
     arch = config.model_type
-    rows, labels, pixels, grids, cells = [], [], [], [], []
+    rows, labels, pixels, grids, cells, events = [], [], [], [], [], []
     for ex in examples:
         if with_answers and ex.world is not None:
             step = config.vision_config.temporal_patch_size if arch == "qwen2_5_vl" else 1
             cells.append(cell_labels(ex.world, FPS[arch], ex.frames.shape[0], step))
+            events.append(event_labels(ex.world, FPS[arch], ex.frames.shape[0], step))
         if arch == "qwen2_5_vl":
             flat, (t, h, w) = qwen_video_patches(ex.frames, CLIP_MEAN, CLIP_STD)
             pixels.append(flat)
@@ -120,10 +168,12 @@ def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bo
         batch["labels"] = torch.tensor([lab + [-100] * (width - len(lab)) for lab in labels])
         if len(cells) == len(rows):
             batch["cell_labels"] = torch.stack(cells) if arch != "qwen2_5_vl" else torch.cat(cells)
+            batch["event_labels"] = torch.cat(events)
     if arch == "qwen2_5_vl":
         batch["pixel_values_videos"] = torch.cat(pixels)
         batch["video_grid_thw"] = torch.tensor(grids)
-        batch["second_per_grid_ts"] = torch.tensor([config.vision_config.temporal_patch_size / FPS[arch]] * len(rows))
+        seconds_per_patch = config.vision_config.temporal_patch_size / FPS[arch]
+        batch["second_per_grid_ts"] = torch.tensor([seconds_per_patch * f for f in (stretch or [1.0] * len(rows))])
         batch["mm_token_type_ids"] = (input_ids == config.video_token_id).int() * 2
     else:
         batch["pixel_values_videos"] = torch.stack(pixels)
@@ -134,9 +184,20 @@ class Batches(torch.utils.data.IterableDataset):
     """Endless training batches; each DataLoader worker draws its own seeds."""
 
     def __init__(self, name: str, batch_size: int, seconds: tuple[float, float], seed: int,
-                 warm_seconds: tuple[float, float] | None = None, ramp_batches: int = 0):
+                 warm_seconds: tuple[float, float] | None = None, ramp_batches: int = 0, stretch: float = 1.0):
         self.name, self.batch_size, self.seconds, self.seed = name, batch_size, seconds, seed
-        self.warm_seconds, self.ramp_batches = warm_seconds or seconds, ramp_batches
+        self.warm_seconds, self.ramp_batches, self.stretch = warm_seconds or seconds, ramp_batches, stretch
+
+    def stretches(self, rng: np.random.Generator) -> list[float] | None:
+        """Per example, the factor on its temporal position spacing: 1 for half the examples, else
+        uniform in [1, stretch]. Why: RoPE attention depends on relative positions, and a model
+        trained on videos up to 32 s never sees a question 100 temporal positions after the first
+        frame, which a 2-min video puts there (measured: the first zoo's target broke down from the
+        first clause on 120-s videos). Stretching shows it those distances at the cost of a short
+        video, as randomized positional encodings do for length generalization (Ruoss et al. 2023)."""
+        if self.stretch <= 1.0 or SHAPES[self.name][0] != "qwen2_5_vl":
+            return None
+        return [1.0 if rng.random() < 0.5 else float(rng.uniform(1.0, self.stretch)) for _ in range(self.batch_size)]
 
     def lengths(self, batch: int) -> tuple[float, float]:
         """The video-length range for batch number `batch`: a curriculum from `warm_seconds`
@@ -158,29 +219,64 @@ class Batches(torch.utils.data.IterableDataset):
             batch += 1
             seconds = float(rng.integers(round(low), round(high) + 1))
             seeds = TRAIN_SEED0 + rng.integers(0, 1 << 40, self.batch_size)
-            yield model_inputs(config, tokenizer, [example(int(s), seconds, fps, rng) for s in seeds], with_answers=True)
+            yield model_inputs(config, tokenizer, [example(int(s), seconds, fps, rng) for s in seeds], with_answers=True,
+                               stretch=self.stretches(rng))
 
 
-def step_losses(net, head, batch: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(language-model loss, auxiliary cell-content loss or None). The video is encoded once; the
-    auxiliary head reads each visual token (a linear probe of what is on its cell), and the same
-    features go into the language model through `mm_encoder_outputs`."""
+def step_losses(net, heads: dict, batch: dict, teacher=None) -> dict[str, torch.Tensor]:
+    """{"lm": language-model loss, "cells": cell-content loss, "events": event loss, "distill":
+    KL(teacher ‖ model) on the answer's positions}, each but the first only with its head, labels
+    or teacher. The video is encoded once; the cell probe reads each visual token as it enters the
+    language model, the event probe reads it at the middle layer; the same features go into the
+    language model through `mm_encoder_outputs`."""
     batch = dict(batch)
-    cells = batch.pop("cell_labels", None)
-    if head is None or cells is None:
-        return net(**batch).loss, None
+    cells, events = batch.pop("cell_labels", None), batch.pop("event_labels", None)
+    if not heads or cells is None:
+        out = net(**batch)
+        return {"lm": out.loss} | ({"distill": distill_loss(out.logits, teacher, batch)} if teacher is not None else {})
     pixels = batch.pop("pixel_values_videos")
-    if net.config.model_type == "qwen2_5_vl":
+    qwen = net.config.model_type == "qwen2_5_vl"
+    if qwen:
         feats = net.model.get_video_features(pixels, batch["video_grid_thw"])
         tokens = torch.cat(feats.pooler_output)                        # [n_tokens, d]
     else:
         feats = net.model.get_video_features(pixels)
         tokens = feats.pooler_output[:, :-1].reshape(-1, feats.pooler_output.shape[-1])   # newline dropped
-    cells = cells.reshape(-1, len(AUX))
-    lm_loss = net(**batch, mm_encoder_outputs={"video": feats}).loss
-    logits = head(tokens).split([len(v) for v in AUX.values()], dim=-1)
-    aux = sum(torch.nn.functional.cross_entropy(lg, cells[:, i]) for i, lg in enumerate(logits)) / len(AUX)
-    return lm_loss, aux
+    out = net(**batch, mm_encoder_outputs={"video": feats}, output_hidden_states="events" in heads)
+    losses = {"lm": out.loss}
+    if teacher is not None:
+        losses["distill"] = distill_loss(out.logits, teacher, {**batch, "pixel_values_videos": pixels})
+    if "cells" in heads:
+        cells = cells.reshape(-1, len(AUX))
+        logits = heads["cells"](tokens).split([len(v) for v in AUX.values()], dim=-1)
+        losses["cells"] = sum(torch.nn.functional.cross_entropy(lg, cells[:, i]) for i, lg in enumerate(logits)) / len(AUX)
+    if "events" in heads and events is not None:
+        middle = out.hidden_states[len(out.hidden_states) // 2]          # [batch, seq, d]
+        video_id = net.config.video_token_id if qwen else net.config.video_token_index
+        is_video = batch["input_ids"] == video_id
+        if not qwen:                                                      # each row's last one is the newline
+            last = is_video.int().cumsum(1) == is_video.sum(1, keepdim=True)
+            is_video = is_video & ~last
+        logits = heads["events"](middle[is_video])
+        # most tokens see no change: weigh "none" down so that the rare events carry the loss
+        weight = torch.ones(len(EVENT_CLASSES))
+        weight[0] = 0.1
+        losses["events"] = torch.nn.functional.cross_entropy(logits, events, weight=weight)
+    return losses
+
+
+def distill_loss(logits: torch.Tensor, teacher, batch: dict) -> torch.Tensor:
+    """KL(teacher ‖ student) per answer token, averaged: the draft learns the target's whole next-
+    token distribution where it is trained, not only the reference token (DistillSpec, Zhou et al.
+    2024: a draft distilled from its target agrees with it more, which is what speculative
+    decoding's acceptance counts)."""
+    with torch.no_grad():
+        target = teacher(**{k: v for k, v in batch.items() if k != "labels"}).logits[:, :-1]
+    where = batch["labels"][:, 1:] != -100                     # logits at t predict the label at t + 1
+    vocab = min(logits.shape[-1], target.shape[-1])
+    student = torch.log_softmax(logits[:, :-1][where][:, :vocab].float(), -1)
+    teacher_logp = torch.log_softmax(target[where][:, :vocab].float(), -1)
+    return torch.nn.functional.kl_div(student, teacher_logp, log_target=True, reduction="batchmean")
 
 
 @torch.no_grad()
@@ -201,8 +297,9 @@ def caption_f1(model, tokenizer, seeds, seconds: float) -> float:
 
 def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, warmup: int = 100,
           seconds: tuple = (8, 32), warm_seconds: tuple = (2, 12), ramp: float = 0.5, seed: int = 0, eval_seconds: float = 30.0, eval_videos: int = 8,
-          aux_weight: float = 1.0, init: str | None = None, log_every: int = 50, eval_every: int = 250, out: str | None = None,
-          progress: bool | None = None) -> dict:
+          aux_weight: float = 1.0, event_weight: float = 0.0, stretch: float = 1.0, init: str | None = None,
+          teacher: str | None = None, distill_weight: float = 1.0,
+          log_every: int = 50, eval_every: int = 250, out: str | None = None, progress: bool | None = None) -> dict:
     """Trains zoo model `model` and saves it under `out` (default models/toy/weights/<model>)."""
     from tqdm import tqdm
     from transformers import AutoModelForImageTextToText
@@ -223,41 +320,52 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
     log.info("training %s: %s, %.2f M parameters, %d steps of %d videos of %s s", model,
              type(net).__name__, n_params / 1e6, steps, batch_size, seconds)
     hidden = config.text_config.hidden_size
-    head = torch.nn.Linear(hidden, sum(len(v) for v in AUX.values())) if aux_weight > 0 else None
-    params = list(net.parameters()) + (list(head.parameters()) if head is not None else [])
+    heads = {}
+    if aux_weight > 0:
+        heads["cells"] = torch.nn.Linear(hidden, sum(len(v) for v in AUX.values()))
+    if event_weight > 0:
+        heads["events"] = torch.nn.Linear(hidden, len(EVENT_CLASSES))
+    weights = {"lm": 1.0, "cells": aux_weight, "events": event_weight, "distill": distill_weight}
+    if teacher:     # a trained target of the same architecture and tokenizer, frozen
+        teacher_net = AutoModelForImageTextToText.from_pretrained(teacher, dtype=torch.float32, use_safetensors=True)
+        if teacher_net.config.model_type != config.model_type:
+            raise ValueError(f"teacher={teacher} is a {teacher_net.config.model_type} model; {model} is {config.model_type}")
+        teacher_net.eval().requires_grad_(False)
+    else:
+        teacher_net = None
+    params = list(net.parameters()) + [p for h in heads.values() for p in h.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
     loader = torch.utils.data.DataLoader(Batches(model, batch_size, tuple(seconds), seed, tuple(warm_seconds),
-                                                 int(ramp * steps)), batch_size=None,
+                                                 int(ramp * steps), stretch), batch_size=None,
                                          num_workers=1, prefetch_factor=4, persistent_workers=False)
     history, t0 = [], time.perf_counter()
     net.train()
     bar = tqdm(zip(range(steps), loader), total=steps, desc=f"train {model}", disable=progress is False,
                mininterval=5)
-    running, running_aux = None, None
+    running: dict[str, float] = {}
     for step, batch in bar:
-        lm_loss, aux = step_losses(net, head, batch)
-        loss = lm_loss if aux is None else lm_loss + aux_weight * aux
-        loss.backward()
+        losses = step_losses(net, heads, batch, teacher_net)
+        sum(weights[k] * v for k, v in losses.items()).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        running = lm_loss.item() if running is None else 0.95 * running + 0.05 * lm_loss.item()
-        if aux is not None:
-            running_aux = aux.item() if running_aux is None else 0.95 * running_aux + 0.05 * aux.item()
-        bar.set_postfix(loss=f"{running:.3f}")
+        for k, v in losses.items():
+            running[k] = v.item() if k not in running else 0.95 * running[k] + 0.05 * v.item()
+        bar.set_postfix(loss=f"{running['lm']:.3f}")
         if (step + 1) % log_every == 0 or step + 1 == steps:
-            history.append({"step": step + 1, "loss": round(running, 4), "s": round(time.perf_counter() - t0, 1)}
-                           | ({"aux_loss": round(running_aux, 4)} if running_aux is not None else {}))
-            log.info("step %d loss %.4f aux %.4f (%.0f s)", step + 1, running, running_aux or 0.0,
+            names = {"lm": "loss", "cells": "aux_loss", "events": "event_loss", "distill": "distill_loss"}
+            history.append({"step": step + 1, "s": round(time.perf_counter() - t0, 1)}
+                           | {names[k]: round(v, 4) for k, v in running.items()})
+            log.info("step %d %s (%.0f s)", step + 1, " ".join(f"{names[k]} {v:.4f}" for k, v in running.items()),
                      time.perf_counter() - t0)
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
             # a quick look on short held-out videos: is the model using the video yet?
             quick = caption_f1(net, tokenizer, range(100, 104), 10.0)
             if not history or history[-1]["step"] != step + 1:
-                history.append({"step": step + 1, "loss": round(running, 4), "s": round(time.perf_counter() - t0, 1)})
+                history.append({"step": step + 1, "loss": round(running["lm"], 4), "s": round(time.perf_counter() - t0, 1)})
             history[-1]["f1_at_10s"] = round(quick, 4)
             log.info("step %d: caption F1 %.3f on 4 held-out 10-s videos", step + 1, quick)
     net = net.to(torch.bfloat16)   # what is shipped is what is evaluated
@@ -265,7 +373,9 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
     save(net, tokenizer, out_dir)
     eval_seeds = range(eval_videos)
     f1 = caption_f1(net.float(), tokenizer, eval_seeds, eval_seconds)
-    result = {"model": model, "parameters": n_params, "steps": steps, "batch_size": batch_size, "lr": lr, "aux_weight": aux_weight, "init": init,
+    result = {"model": model, "parameters": n_params, "steps": steps, "batch_size": batch_size, "lr": lr,
+              "aux_weight": aux_weight, "event_weight": event_weight, "stretch": stretch, "init": init,
+              "teacher": teacher, "distill_weight": distill_weight if teacher else None,
               "seconds": list(seconds), "warm_seconds": list(warm_seconds), "ramp": ramp, "train_s": round(time.perf_counter() - t0, 1), "history": history,
               f"f1_at_{eval_seconds:g}s": round(f1, 4), "eval_seeds": list(eval_seeds)}
     if init and (Path(init) / "training.json").is_file():   # keep the whole recipe: earlier stages first

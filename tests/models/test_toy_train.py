@@ -54,3 +54,41 @@ def test_training_goes_on_from_a_checkpoint_and_keeps_its_recipe(tmp_path):
     import pytest
     with pytest.raises(ValueError, match="is not a qwen-target checkpoint"):
         train("qwen-target", steps=1, init=str(first), progress=False)
+
+
+def test_event_labels_mark_each_event_on_its_cell_in_the_step_that_first_shows_it():
+    """A move marks its source cell `leave` when the glide starts and its destination with the
+    direction when it ends; every event lands in the temporal step of the first frame showing it."""
+    from models.toy import world as toy
+    from models.toy.train import EVENT_CLASSES, event_labels
+
+    w = toy.make_world(3, 30)
+    labels = event_labels(w, 2.0, 60, 2).reshape(30, 9)
+    marked = {(int(s), int(c)): EVENT_CLASSES[labels[s, c]] for s, c in (labels != 0).nonzero()}
+    # seed 3: appear 0.0 s and 4.33 s, recolor 6.97 s, moves left 10.53 s and right 14.25 s, ...
+    moves = [(e, cell) for e, cell in zip(w.truth.events, w.cells) if e.kind == "move"]
+    assert [e.change for e, _ in moves] == ["left", "right"]
+    (_, (c, r)), _ = moves
+    assert marked[(11, r * 3 + c + 1)] == "leave"              # moves left at 10.53 s: frame 22 is in step 11
+    assert marked[(12, r * 3 + c)] == "left"                   # the glide ends 11.53 s: frame 24, step 12
+    assert marked[(14, r * 3 + c)] == "leave" and marked[(15, r * 3 + c + 1)] == "right"    # and back at 14.25 s
+    assert sorted(marked.values()).count("appear") == 3 and "recolor" in marked.values()
+    assert len(marked) == 9
+
+
+def test_distillation_adds_the_teachers_kl_and_it_is_zero_against_itself(tmp_path):
+    """A student equal to its teacher has KL 0 on every answer token; a different one does not."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from models.toy.train import distill_loss
+
+    torch.manual_seed(0)
+    config, tok = zoo_config("qwen-draft"), build_tokenizer("qwen2_5_vl")
+    net = AutoModelForImageTextToText.from_config(config).eval()
+    batch = model_inputs(config, tok, [example(1_000_003, 4, 2.0, np.random.default_rng(0))], with_answers=True)
+    batch = {k: v for k, v in batch.items() if k not in ("cell_labels", "event_labels")}
+    logits = net(**batch).logits
+    assert abs(distill_loss(logits, net, batch).item()) < 1e-5
+    other = AutoModelForImageTextToText.from_config(config).eval()
+    assert distill_loss(other(**batch).logits, net, batch).item() > 1e-3
