@@ -168,12 +168,22 @@ class Executor:
                 elif r.kind == "stream":
                     made.append(StreamWorker(name, r.torch_threads, r.device, r.priority))
                 else:
-                    made.append(ThreadWorker(name, r.torch_threads, r.device))
+                    worker = ThreadWorker(name, r.torch_threads, r.device)
+                    if r.elastic:
+                        worker.elastic = lambda me=worker: self._elastic_threads(me)
+                    made.append(worker)
             self.workers[r.name] = made
         for n in self.plan.nodes:
             pool = self.workers[n.resource]
             if n.worker is not None and not sequential:
                 self.node_worker_pin[n.name] = pool[n.worker]
+
+    def _elastic_threads(self, me: Worker) -> int:
+        """An elastic worker's torch threads for its next call: the cores no other CPU worker is
+        busy on (each busy one counted at its planned threads), never fewer than its planned share."""
+        taken = sum(w.torch_threads for pool in self.workers.values() for w in pool
+                    if w is not me and w.busy and not str(w.device).startswith("cuda"))
+        return max(me.torch_threads, self.plan.cores - taken)
 
     def setup(self) -> None:
         """Start workers, build every stage on its worker and run `setup` (weights load here)."""

@@ -82,7 +82,11 @@ def load_resources(cfg: Any, n_cuda: int | None = None) -> tuple[dict[str, Resou
             problems.append(f"resource '{name}': workers={workers}; a pool needs at least one. Fix: resources.pools.{name}.workers=1")
             continue
         threads = pool.get("torch_threads", "auto")
-        out[name] = Resource(name, kind, workers, threads if threads == "auto" else int(threads))
+        if threads == "elastic" and kind != "thread":
+            problems.append(f"resource '{name}': torch_threads=elastic is for thread pools (a process keeps its "
+                            f"count). Fix: resources.pools.{name}.torch_threads=auto")
+            continue
+        out[name] = Resource(name, kind, workers, threads if threads in ("auto", "elastic") else int(threads))
 
     fallen: list[str] = []
     for name, stream in (cfg.get("streams") or {}).items():

@@ -3,7 +3,9 @@
 Policy, decided here once so the executor only follows it:
 - every node runs on the resource its config names; calls of one node never overlap;
 - torch threads: a pool with `torch_threads: auto` gets cores // (workers of all CPU resources the
-  graph uses), at least 1, so concurrent torch workers never oversubscribe the cores;
+  graph uses), at least 1, so concurrent torch workers never oversubscribe the cores; `elastic`
+  starts from the same share and, at each call, takes every core the other CPU workers leave idle
+  (QuickVideo: the target prefills on one core while the decoders run, on all once they are done);
 - channels hold `capacity` items; a streamed edge between two nodes sharing a one-worker resource is
   unbounded (the producer holds the only worker, so a bound would deadlock it); a feedback edge
   holds at least its primed items; the sequential runner makes every channel unbounded;
@@ -32,6 +34,7 @@ class PlannedResource:
     device: str
     priority: int
     note: str = ""
+    elastic: bool = False        # torch_threads: elastic (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ class Plan:
     def to_text(self) -> str:
         lines = [f"runner: {self.runner}   cores: {self.cores}", "", "resources:"]
         for r in self.resources:
-            where = r.device if r.kind == "stream" else f"torch_threads={r.torch_threads}"
+            where = r.device if r.kind == "stream" else f"torch_threads={r.torch_threads}" + ("+elastic" if r.elastic else "")
             lines.append(f"  {r.name:<10} {r.kind:<8} workers={r.workers:<3} {where}"
                          + (f"   # {r.note}" if r.note else ""))
         lines += ["", "nodes (topological order):"]
@@ -129,8 +132,9 @@ def compile_plan(
     warnings = []
     planned_res = []
     for r in used:
-        threads = auto_threads if r.torch_threads == "auto" else int(r.torch_threads)
-        planned_res.append(PlannedResource(r.name, r.kind, r.workers, threads, r.device, r.priority, r.note))
+        threads = auto_threads if r.torch_threads in ("auto", "elastic") else int(r.torch_threads)
+        planned_res.append(PlannedResource(r.name, r.kind, r.workers, threads, r.device, r.priority, r.note,
+                                           elastic=r.torch_threads == "elastic"))
     demand = sum(r.workers * r.torch_threads for r in planned_res if r.kind != "stream")
     if runner == "threaded" and demand > cores:
         warnings.append(f"{cpu_workers} CPU workers with {demand} torch threads in all on {cores} cores: "

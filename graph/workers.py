@@ -95,8 +95,11 @@ def _run_phase(stage: Any, job: Job, ctx: StageContext) -> Any:
 class Worker:
     """Base: a thread that takes jobs from a queue and runs `execute` on each."""
 
-    def __init__(self, name: str, torch_threads: int, device: str = "cpu"):
+    def __init__(self, name: str, torch_threads: int, device: str = "cpu",
+                 elastic: Callable[[], int] | None = None):
         self.name, self.torch_threads, self.device = name, torch_threads, device
+        # torch_threads: elastic — asked before each call how many threads to use now
+        self.elastic, self._threads_now = elastic, torch_threads
         self.stages: dict[str, Any] = {}
         self.busy = False
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -124,6 +127,14 @@ class Worker:
             self._timed(job)
 
     def _timed(self, job: Job) -> None:
+        if self.elastic is not None and job.phase == "call":
+            threads = self.elastic()
+            if threads != self._threads_now:
+                import torch
+
+                with _TORCH_INIT:
+                    torch.set_num_threads(threads)
+                self._threads_now = threads
         rec = job.record
         if rec is not None:
             rec.t0 = time.perf_counter()
@@ -156,7 +167,7 @@ class ThreadWorker(Worker):
 
 class StreamWorker(Worker):
     def __init__(self, name: str, torch_threads: int, device: str, priority: int = 0):
-        super().__init__(name, torch_threads, device)
+        super().__init__(name, torch_threads, device, None)
         self.priority = priority
         self._stream = None
 

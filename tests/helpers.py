@@ -112,3 +112,35 @@ class Forever(Stage):
             time.sleep(0.005)
             ctx.emit("item", i)
             i += 1
+
+
+class PacedSource(Stage):
+    """Streams `items` items, then stays busy `tail_s` more seconds (a decoder still working)."""
+
+    outputs = {"item": Out(int, stream=True)}
+
+    def __init__(self, items: int = 3, tail_s: float = 0.3):
+        self.items, self.tail_s = items, tail_s
+
+    def __call__(self, ctx):
+        for i in range(self.items):
+            ctx.emit("item", i)
+        time.sleep(self.tail_s)
+
+
+class ThreadsPerItem(Stage):
+    """Records torch's thread count at each streamed item; waits `delay` per item."""
+
+    inputs = {"item": In(object, stream=True)}
+    outputs = {"threads": Out(list)}
+
+    def __init__(self, delay: float = 0.05):
+        self.delay, self.seen = delay, []
+
+    def __call__(self, ctx, item):
+        self.seen.append(torch.get_num_threads())
+        time.sleep(self.delay)
+
+    def finish(self, ctx):
+        seen, self.seen = self.seen, []
+        return {"threads": seen}

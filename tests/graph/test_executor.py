@@ -228,3 +228,27 @@ def test_keyboard_interrupt_cancels_and_cleans_up(no_leftovers):
         finally:
             ex.close()
     assert not multiprocessing.active_children()
+
+
+def test_elastic_torch_threads_take_the_cores_other_workers_leave_idle():
+    """torch_threads: elastic — the target gets its planned share (1 of 2 cores) while the cpu
+    worker is busy, and both cores for the calls after it is done."""
+    from tests.helpers import CPU
+
+    resources = {**CPU, "pools": {**CPU["pools"], "target": {"kind": "thread", "workers": 1, "torch_threads": "elastic"}}}
+    nodes = {"src": node(f"{H}.PacedSource", items=3, tail_s=0.4),
+             "sink": node(f"{H}.ThreadsPerItem", "target", {"item": "src.item"}, delay=0.3)}
+    spec, plan = make(nodes, resources=resources, capacity=8)
+    assert plan.resource("target").torch_threads == 1 and plan.resource("target").elastic
+    assert "torch_threads=1+elastic" in plan.to_text()
+    with Executor(spec, plan, progress=False) as ex:
+        seen = ex.run(Request()).outputs["sink.threads"]
+    assert seen[0] == 1 and seen[-1] == 2, seen      # item 0 while src sleeps; item 2 after it returned
+
+
+def test_elastic_threads_are_refused_on_a_process_pool():
+    from graph.resources import load_resources
+    from graph.spec import ConfigError
+
+    with pytest.raises(ConfigError, match="elastic is for thread pools"):
+        load_resources({"cores": 2, "pools": {"decode": {"kind": "process", "torch_threads": "elastic"}}})
