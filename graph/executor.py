@@ -180,9 +180,11 @@ class Executor:
 
     def _elastic_threads(self, me: Worker) -> int:
         """An elastic worker's torch threads for its next call: the cores no other CPU worker is
-        busy on (each busy one counted at its planned threads), never fewer than its planned share."""
+        busy on (each busy one counted at its planned threads; one whose call waits on a full
+        channel is not busy), never fewer than its planned share."""
+        waiting = getattr(self, "_waiting_workers", ())
         taken = sum(w.torch_threads for pool in self.workers.values() for w in pool
-                    if w is not me and w.busy and not str(w.device).startswith("cuda"))
+                    if w is not me and w.busy and w.name not in waiting and not str(w.device).startswith("cuda"))
         return max(me.torch_threads, self.plan.cores - taken)
 
     def setup(self) -> None:
@@ -314,6 +316,7 @@ class Executor:
         }
         self._running = 0
         self._blocked: dict[int, Channel] = {}  # call id -> channel its emit waits on
+        self._waiting_workers: set[str] = set()  # workers whose call waits on backpressure (no CPU)
         self._request = request
         order = {n.name: n.rank for n in self.plan.nodes}
         bar = tqdm(desc=f"run {getattr(request, 'id', '')}".strip(), unit="call", leave=False,
@@ -501,9 +504,11 @@ class Executor:
             if ch.full:
                 t_wait = time.perf_counter()
                 self._blocked[rec.id] = ch
+                self._waiting_workers.add(rec.worker)
                 while ch.full and self._failure is None:
                     self.cv.wait(0.05)
                 del self._blocked[rec.id]
+                self._waiting_workers.discard(rec.worker)
                 rec.blocked += time.perf_counter() - t_wait
                 if self._failure is not None:
                     raise Cancelled("run cancelled")

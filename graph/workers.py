@@ -28,14 +28,22 @@ _TORCH_INIT = threading.Lock()
 
 
 def init_torch_runtime() -> None:
-    """Initialise torch's thread pools from the main thread, before any worker thread touches
-    them: worker threads then only adjust their own count (under a lock), never race to create
-    the pools."""
+    """Initialise torch's threading from the main thread, before any worker thread touches it:
+    worker threads then only adjust their own count (under a lock), never race to create it.
+
+    The warm-up op runs with one thread. Why: a multi-threaded op on the main thread gives it an
+    OpenMP team that lives as long as the process, and once libgomp manages more threads than
+    there are cores it stops spinning between parallel regions (its "throttled" mode), so every
+    worker thread's torch work then pays a futex wake-up per region: measured on 2 cores, a 6-layer
+    toy forward on a worker thread took 0.9 s instead of 0.6 s for the rest of the process after
+    one 64x64 matmul with 2 threads on the main thread, and 0.6 s after the same matmul with 1."""
     import torch
 
     with _TORCH_INIT:
-        torch.set_num_threads(torch.get_num_threads())
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
         (torch.ones(64, 64) @ torch.ones(64, 64)).sum().item()
+        torch.set_num_threads(threads)
 
 
 @dataclass
