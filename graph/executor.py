@@ -33,7 +33,8 @@ from graph.metrics import cpu_seconds
 from graph.schedule import Plan, PlannedChannel
 from graph.spec import GraphSpec
 from graph.stage import Stage
-from graph.workers import InlineWorker, Job, build_stage, init_torch_runtime, ProcessWorker, RemoteError, StreamWorker, ThreadWorker, Worker
+from graph.workers import (InlineWorker, Job, ProcessWorker, RemoteError, SequentialThread, StreamWorker, ThreadWorker,
+                           Worker, build_stage, init_torch_runtime)
 
 log = logging.getLogger(__name__)
 
@@ -155,10 +156,12 @@ class Executor:
 
     def _make_workers(self) -> None:
         sequential = self.plan.runner == "sequential"
+        thread = SequentialThread(self.plan.cores) if sequential else None
         for r in self.plan.resources:
             if sequential:
-                # one inline worker per resource keeps trace rows and devices, but nothing overlaps
-                self.workers[r.name] = [InlineWorker(f"{r.name}", self.plan.cores, r.device)]
+                # one inline worker per resource keeps trace rows and devices, but nothing overlaps:
+                # all of them run their jobs on one thread, one job at a time
+                self.workers[r.name] = [InlineWorker(f"{r.name}", self.plan.cores, r.device, thread)]
                 continue
             made: list[Worker] = []
             for i in range(r.workers):
@@ -251,7 +254,14 @@ class Executor:
                     job.on_done = lambda j, r, e, rec=rec, key=key: done(j, r, e, rec, key)
                     job.record = rec
                     outstanding += 1
-                    w.submit(job)
+                    if isinstance(w, InlineWorker):
+                        self.cv.release()  # the job runs on the sequential thread and takes the lock when done
+                        try:
+                            w.submit(job)
+                        finally:
+                            self.cv.acquire()
+                    else:
+                        w.submit(job)
 
             def done(job, result, error, rec, key):
                 nonlocal outstanding

@@ -5,7 +5,8 @@
   once per job, so timings are real and items are ready when handed to another stream.
 - ProcessWorker: a spawned child process holding its stages; the parent-side thread forwards
   emits (with an acknowledgement, so backpressure reaches the child) and waits for the result.
-- InlineWorker: runs a job on the caller's thread (the sequential runner).
+- InlineWorker: runs a job to completion while the caller waits (the sequential runner), on the
+  one thread all of a sequential executor's inline workers share.
 """
 
 from __future__ import annotations
@@ -201,22 +202,81 @@ class StreamWorker(Worker):
         return result
 
 
-class InlineWorker(Worker):
-    """Runs jobs on the calling thread: the sequential runner's only worker per device."""
+class SequentialThread:
+    """The one thread on which a sequential executor runs every job, while the caller waits.
+
+    Not the main thread, on purpose: torch work with several threads gives the calling thread an
+    OpenMP team that lives as long as the thread, and with more OpenMP threads alive than cores
+    libgomp stops spinning between parallel regions (see init_torch_runtime), so a sequential run
+    on the main thread would slow every later threaded run of the same process (a sweep runs its
+    jobs in one process). This thread's team goes when the executor closes."""
+
+    def __init__(self, torch_threads: int):
+        self.torch_threads = torch_threads
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="reelflow-sequential", daemon=True)
 
     def start(self) -> None:
-        pass
+        if self._thread.ident is None:
+            self._thread.start()
 
-    def submit(self, job: Job) -> None:
-        self._timed(job)
+    def _loop(self) -> None:
+        import torch
+
+        with _TORCH_INIT:
+            torch.set_num_threads(self.torch_threads)
+        while True:
+            task = self._jobs.get()
+            if task is None:
+                return
+            fn, done = task
+            try:
+                fn()
+            finally:
+                done.set()
+
+    def run(self, fn: Callable[[], None]) -> None:
+        """Run `fn` there and wait for it (in short waits, so Ctrl-C reaches the caller). Called
+        from a job on this thread (a setup's completion starting the next setup), `fn` runs at once."""
+        if threading.current_thread() is self._thread:
+            fn()
+            return
+        done = threading.Event()
+        self._jobs.put((fn, done))
+        while not done.wait(0.1):
+            if not self._thread.is_alive():
+                raise RuntimeError("the sequential runner's thread died")
 
     def stop(self, timeout: float) -> bool:
-        return True
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     @property
     def alive(self) -> bool:
-        return False
+        return self._thread.is_alive()
 
+
+class InlineWorker(Worker):
+    """The sequential runner's worker of one resource: `submit` returns when the job is done."""
+
+    def __init__(self, name: str, torch_threads: int, device: str, thread: SequentialThread):
+        super().__init__(name, torch_threads, device)
+        self.thread = thread
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        self.thread.run(lambda: self._timed(job))
+
+    def stop(self, timeout: float) -> bool:
+        return self.thread.stop(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread.alive
 
 # --------------------------------------------------------------------------------------------
 # process workers
