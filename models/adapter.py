@@ -117,9 +117,9 @@ class VideoLM:
         return x
 
     def new_cache(self):
-        from transformers import DynamicCache
+        from models.cache import growing_cache
 
-        return DynamicCache(config=self.text_config)
+        return growing_cache(self.text_config)      # appends in place: no whole-cache copy per forward
 
     @torch.inference_mode()
     def prefill(self, cache, embeds: torch.Tensor, positions: torch.Tensor, *, taps=(),
