@@ -161,9 +161,7 @@ class Worker:
 
     def stop(self, timeout: float) -> bool:
         """Ask the worker to exit; True if it did within `timeout`."""
-        self._jobs.put(None)
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return _stop_thread(self._jobs, self._thread, timeout)
 
     @property
     def alive(self) -> bool:
@@ -248,14 +246,18 @@ class SequentialThread:
                 raise RuntimeError("the sequential runner's thread died")
 
     def stop(self, timeout: float) -> bool:
-        if self._thread.is_alive():
-            self._jobs.put(None)
-            self._thread.join(timeout)
-        return not self._thread.is_alive()
+        return _stop_thread(self._jobs, self._thread, timeout) if self._thread.is_alive() else True
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+
+def _stop_thread(jobs: queue.SimpleQueue, thread: threading.Thread, timeout: float) -> bool:
+    """Tell a job-queue thread to exit (a None job) and wait up to `timeout`; True if it did."""
+    jobs.put(None)
+    thread.join(timeout)
+    return not thread.is_alive()
 
 
 class InlineWorker(Worker):
