@@ -9,8 +9,8 @@ exhausted its `finish` runs and its output streams end. Producers block in `emit
 channel is full (backpressure). Feedback edges start with `prime` empty items (None).
 
 Runners differ in one thing, the worker a job runs on: `threaded` uses the plan's thread,
-process and CUDA-stream workers; `sequential` runs every job inline on the main thread (the
-no-overlap baseline, and a debugging aid).
+process and CUDA-stream workers; `sequential` runs every job to completion, one at a time, on
+one thread of its own while the dispatcher waits (the no-overlap baseline, and a debugging aid).
 
 A failure anywhere cancels the run: blocked emits raise Cancelled, running calls finish or are
 abandoned after `cancel_timeout_s`, worker processes are terminated, stages are closed, and
