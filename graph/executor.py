@@ -142,6 +142,7 @@ class Executor:
         self.setup_calls: list[CallRecord] = []
         self._records: list[CallRecord] = []
         self._failure: StageFailed | None = None
+        self._waiting_workers: set[str] = set()  # workers whose call waits on backpressure (no CPU)
         self._closed = False
         self._started = False
 
@@ -185,9 +186,9 @@ class Executor:
         """An elastic worker's torch threads for its next call: the cores no other CPU worker is
         busy on (each busy one counted at its planned threads; one whose call waits on a full
         channel is not busy), never fewer than its planned share."""
-        waiting = getattr(self, "_waiting_workers", ())
         taken = sum(w.torch_threads for pool in self.workers.values() for w in pool
-                    if w is not me and w.busy and w.name not in waiting and not str(w.device).startswith("cuda"))
+                    if w is not me and w.busy and w.name not in self._waiting_workers
+                    and not str(w.device).startswith("cuda"))
         return max(me.torch_threads, self.plan.cores - taken)
 
     def setup(self) -> None:
@@ -326,7 +327,7 @@ class Executor:
         }
         self._running = 0
         self._blocked: dict[int, Channel] = {}  # call id -> channel its emit waits on
-        self._waiting_workers: set[str] = set()  # workers whose call waits on backpressure (no CPU)
+        self._waiting_workers.clear()
         self._request = request
         order = {n.name: n.rank for n in self.plan.nodes}
         bar = tqdm(desc=f"run {getattr(request, 'id', '')}".strip(), unit="call", leave=False,
