@@ -260,7 +260,8 @@ class VideoLM:
 
     @staticmethod
     def cache_bytes(cache) -> int:
-        """Bytes the cache's keys and values hold, all layers."""
+        """Bytes of the cached keys and values, all layers (the entries; the in-place cache keeps
+        up to a quarter more as spare room, models/cache.py)."""
         return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
                    if t is not None)
 

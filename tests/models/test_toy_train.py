@@ -92,3 +92,18 @@ def test_distillation_adds_the_teachers_kl_and_it_is_zero_against_itself(tmp_pat
     assert abs(distill_loss(logits, net, batch).item()) < 1e-5
     other = AutoModelForImageTextToText.from_config(config).eval()
     assert distill_loss(other(**batch).logits, net, batch).item() > 1e-3
+
+
+def test_stretch_spreads_half_the_qwen_examples_and_leaves_llava_alone():
+    """train.stretch: per example a factor on the temporal spacing, 1 for about half, else in
+    [1, stretch]; the batch's second_per_grid_ts carries it. LLaVA (1-D positions) gets none."""
+    rng = np.random.default_rng(0)
+    factors = Batches("qwen-draft", 400, (2, 4), 0, stretch=4.0).stretches(rng)
+    ones = sum(f == 1.0 for f in factors)
+    assert 150 < ones < 250 and all(1.0 <= f <= 4.0 for f in factors) and max(factors) > 3.5
+    assert Batches("llava-draft", 4, (2, 4), 0, stretch=4.0).stretches(rng) is None
+    assert Batches("qwen-draft", 4, (2, 4), 0).stretches(rng) is None
+    config, tok = zoo_config("qwen-draft"), build_tokenizer("qwen2_5_vl")
+    exs = [example(1_000_003, 4, 2.0), example(1_000_004, 4, 2.0)]
+    batch = model_inputs(config, tok, exs, with_answers=False, stretch=[1.0, 2.5])
+    assert batch["second_per_grid_ts"].tolist() == [1.0, 2.5]       # 2 frames at 2 fps = 1 s a patch
