@@ -66,14 +66,21 @@ def example(seed: int, seconds: float, fps: float, rng: np.random.Generator | No
 
 
 # What each visual token should be able to tell (a training-only auxiliary target): the object
-# on its cell of the 3x3 board (shape, color, size; 0 = none) and the background.
+# on its cell of the 3x3 board (shape, color, size; 0 = none), the background, and where the cell
+# is (row, column). Where: Qwen2.5-VL's MRoPE gives the height and width positions the lowest
+# rotary frequencies (its sections are contiguous, time first), so a cell's row and column turn a
+# head's query by at most 0.2 and 0.007 rad in the toy target: the language model cannot read
+# them from the positions, and a linear probe on the toy target's visual tokens found the cell of
+# an object at chance (0.21-0.30 against 1/3). Real Qwen2.5-VL checkpoints learn to put the
+# location into the token's content from grounding data; this probe is the toy's grounding data.
 AUX = {"shape": (None, *toy.SHAPES), "color": (None, *toy.COLORS), "size": (None, *toy.SIZES),
-       "background": toy.BACKGROUNDS}
+       "background": toy.BACKGROUNDS, "row": ("top", "middle", "bottom"), "column": ("left", "middle", "right")}
 
 
 def cell_labels(world: toy.World, fps: float, n_frames: int, frames_per_token: int) -> torch.Tensor:
-    """int64 [ceil(n_frames / frames_per_token) * 9, 4]: for each visual token (row-major cells of
-    each temporal step), what is on its cell in the step's last frame, as indices into AUX."""
+    """int64 [ceil(n_frames / frames_per_token) * 9, len(AUX)]: for each visual token (row-major
+    cells of each temporal step), what is on its cell in the step's last frame and where the cell
+    is, as indices into AUX."""
     steps = math.ceil(n_frames / frames_per_token)
     times = [min(k * frames_per_token + frames_per_token - 1, n_frames - 1) / fps for k in range(steps)]
     rows = []
@@ -83,7 +90,8 @@ def cell_labels(world: toy.World, fps: float, n_frames: int, frames_per_token: i
             r, c = min(int(sp.y), toy.GRID - 1), min(int(sp.x), toy.GRID - 1)
             cells[r * toy.GRID + c] = [AUX["shape"].index(sp.shape), AUX["color"].index(sp.color),
                                        AUX["size"].index(sp.size)]
-        rows += [[*cell, AUX["background"].index(scene.background)] for cell in cells]
+        rows += [[*cell, AUX["background"].index(scene.background), i // toy.GRID, i % toy.GRID]
+                 for i, cell in enumerate(cells)]
     return torch.tensor(rows)
 
 

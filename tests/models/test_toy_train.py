@@ -9,7 +9,8 @@ import torch
 
 from models.load import load_model
 from models.toy.tokenizer import build_tokenizer
-from models.toy.train import Batches, example, model_inputs, train
+from models.toy import world as toy
+from models.toy.train import AUX, Batches, cell_labels, example, model_inputs, train
 from models.toy.zoo import SHAPES, zoo_config
 
 
@@ -54,6 +55,21 @@ def test_training_goes_on_from_a_checkpoint_and_keeps_its_recipe(tmp_path):
     import pytest
     with pytest.raises(ValueError, match="is not a qwen-target checkpoint"):
         train("qwen-target", steps=1, init=str(first), progress=False)
+
+
+def test_cell_labels_say_what_is_on_each_cell_and_where_the_cell_is():
+    w = toy.make_world(1_000_011, 20)
+    labels = cell_labels(w, 2.0, 40, 2)                 # 20 temporal steps of 9 row-major cells
+    assert labels.shape == (20 * 9, len(AUX))
+    names = list(AUX)
+    row, column = labels[:, names.index("row")], labels[:, names.index("column")]
+    assert row.tolist() == [i // 3 for i in range(9)] * 20 and column.tolist() == [i % 3 for i in range(9)] * 20
+    scene = toy.scene_at(w, 39 / 2.0)                   # the last step's last frame
+    last = labels[-9:]
+    for sp in scene.sprites:
+        cell = last[min(int(sp.y), 2) * 3 + min(int(sp.x), 2)]
+        assert AUX["shape"][cell[0]] == sp.shape and AUX["color"][cell[1]] == sp.color
+    assert (last[:, 0] > 0).sum() == len(scene.sprites)
 
 
 def test_event_labels_mark_each_event_on_its_cell_in_the_step_that_first_shows_it():
