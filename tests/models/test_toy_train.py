@@ -8,8 +8,8 @@ import numpy as np
 import torch
 
 from models.load import load_model
-from models.toy.tokenizer import build_tokenizer
 from models.toy import world as toy
+from models.toy.tokenizer import build_tokenizer
 from models.toy.train import AUX, Batches, cell_labels, example, model_inputs, train
 from models.toy.zoo import SHAPES, zoo_config
 
