@@ -86,7 +86,7 @@ class Prefill(Stage):
     def _reset(self) -> None:
         self.pending, self.pending_frames = [], 0        # arrived, not yet prefilled (embeds, frames)
         self.frames, self.cache, self.done, self.video_done = 0, None, 0, 0
-        self.meta, self.groups, self.peaks = None, 0, []
+        self.meta, self.groups, self.peaks, self.step_tokens = None, 0, [], 0
         self.pruner = GroupKVPrune(**self.prune) if self.prune else None
 
     def _layout(self, request: Request, frames: int):
@@ -110,14 +110,15 @@ class Prefill(Stage):
         """Whole groups of `group_frames` frames from what has arrived (all of it when `last`)."""
         step = self.lm.frames_per_step
         size = math.ceil(self.group_frames / step) * step if self.group_frames else 0
+        hw = self.meta["frame_hw"]
+        # visual tokens per temporal step (LLaVA-OneVision's one newline token rides at the end)
+        per_step = self.lm.video_token_count(2 * step, hw)[0] - self.lm.video_token_count(step, hw)[0]
+        self.step_tokens = per_step
         if not size:
             if self.pending:
                 yield torch.cat(self.pending), self.pending_frames
             self.pending, self.pending_frames = [], 0
             return
-        hw = self.meta["frame_hw"]
-        # visual tokens per temporal step (LLaVA-OneVision's one newline token rides at the end)
-        per_step = self.lm.video_token_count(2 * step, hw)[0] - self.lm.video_token_count(step, hw)[0]
         while self.pending_frames >= size or (last and self.pending_frames):
             embeds = torch.cat(self.pending)
             frames = size if self.pending_frames > size or not last else self.pending_frames
@@ -158,7 +159,7 @@ class Prefill(Stage):
                                             layers=range(1, len(self.cache.layers) + 1))
             lm.drop_last(self.cache, query.shape[0])
         keep = self.pruner.select(lambda layer: lm.layer_kv(self.cache, layer), lm.layer_lengths(self.cache), n,
-                                  attention)
+                                  attention, step_tokens=self.step_tokens)
         if keep is not None:
             lm.keep(self.cache, keep)
 

@@ -12,6 +12,10 @@ by an importance score:
     value_norm   s = +‖V‖
     attention    s = the text query's attention to the entry
     random       s ~ U(0, 1)   (the floor any score must beat)
+    value_change s = ‖v_i − v_(i−P)‖  how much a token differs from the same place one temporal
+                 step (P tokens) earlier: not one of the seed's; a temporal-redundancy score (as
+                 DyCoke-style pruning of tokens that repeat the previous frame), added because the
+                 seed's fail on the toy zoo, whose cells hold still for seconds between events
 
 Choices the seed leaves open, and what we do:
 - Heads. One kept set per layer, shared by all its heads (a cache row is one token in every
@@ -39,7 +43,7 @@ import torch
 from graph.stage import In, Out, Stage
 from stages.types import Selection, Taps
 
-IMPORTANCE = ("key_norm", "value_norm", "attention", "random")
+IMPORTANCE = ("key_norm", "value_norm", "attention", "random", "value_change")
 
 
 # ------------------------------------------------------------------------------ pure math
@@ -66,6 +70,25 @@ def value_norm_scores(values: torch.Tensor) -> torch.Tensor:
     return values.float().square().sum(dim=(0, 2)).sqrt()
 
 
+def value_change_scores(values: torch.Tensor, previous_step: torch.Tensor | None, step_tokens: int) -> torch.Tensor:
+    """values [kv_heads, n, head_dim] of a group of whole temporal steps of `step_tokens` tokens
+    (any tokens past the last whole step, like LLaVA's closing newline, score +inf: kept);
+    previous_step [kv_heads, step_tokens, head_dim]: the step before the group, unpruned (None
+    for the video's first group, whose first step then scores +inf) -> [n]: ‖v_i − v_(i−P)‖ over
+    all heads. Values carry no rotary position, so a cell that holds still scores near 0."""
+    n = values.shape[1]
+    whole = n - n % step_tokens
+    scores = torch.full((n,), float("inf"))
+    if whole == 0:
+        return scores
+    before = values[:, : max(0, whole - step_tokens)]
+    if previous_step is not None:
+        before = torch.cat([previous_step, before], dim=1)
+    first = whole - before.shape[1]                    # step_tokens when there is no previous step
+    scores[first:whole] = (values[:, first:whole].float() - before.float()).square().sum(dim=(0, 2)).sqrt()
+    return scores
+
+
 def attention_entry_scores(probs: torch.Tensor) -> torch.Tensor:
     """probs [n_query, n] (already averaged over heads) -> [n]: mean attention each entry gets."""
     return probs.float().mean(0)
@@ -81,8 +104,8 @@ def top_k_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 class GroupKVPrune:
     """QuickPrefill's per-group KV pruning, applied by the group prefill after each group.
 
-    importance: key_norm | value_norm | attention | random; ratio: ρ in (0, 1]; start_layer,
-    decay: see the module docstring; seed: for `random`."""
+    importance: key_norm | value_norm | attention | random | value_change; ratio: ρ in (0, 1];
+    start_layer, decay: see the module docstring; seed: for `random`."""
 
     def __init__(self, importance: str = "key_norm", ratio: float = 0.5, start_layer: int = 0,
                  decay: float = 1.0, seed: int = 0):
@@ -95,6 +118,7 @@ class GroupKVPrune:
             raise ValueError(f"prune.decay must be in (0, 1], got {decay}")
         self.importance, self.ratio, self.start_layer, self.decay = importance, ratio, start_layer, decay
         self.generator = torch.Generator().manual_seed(seed)
+        self.previous_step: dict[int, torch.Tensor] = {}     # value_change: each layer's last step, unpruned
 
     @property
     def needs_attention(self) -> bool:
@@ -104,17 +128,31 @@ class GroupKVPrune:
         return layer_ratios(n_layers, self.ratio, self.start_layer, self.decay)
 
     def select(self, layer_kv, lengths: list[int], n_group: int,
-               attention: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+               attention: dict[int, torch.Tensor] | None = None, step_tokens: int = 0) -> list[torch.Tensor] | None:
         """Which entries each layer keeps once the last `n_group` entries (the group's visual
         tokens) are scored: a list of sorted int64 index tensors, one per layer (earlier entries
         are all kept), or None when every layer keeps everything.
 
         layer_kv(l) -> (keys, values) [kv_heads, n_l, head_dim] of layer l; lengths: n_l;
         attention: layer l+1 -> probs [n_query, n_l + n_query] (the adapter's numbering) when
-        importance is attention."""
+        importance is attention; step_tokens: visual tokens per temporal step (value_change)."""
+        if self.importance == "value_change" and step_tokens <= 0:
+            raise ValueError("value_change importance needs the number of visual tokens per temporal step")
         keep, pruned = [], False
         for layer, (n_cached, rho) in enumerate(zip(lengths, self.ratios(len(lengths)))):
             start, k = n_cached - n_group, keep_count(n_group, rho)
+            if self.importance == "value_change":       # the next group compares with this one's last step
+                values = layer_kv(layer)[1][:, start:n_cached]
+                previous, whole = self.previous_step.get(layer), n_group - n_group % step_tokens
+                if whole >= step_tokens:
+                    self.previous_step[layer] = values[:, whole - step_tokens:whole].clone()
+                if k < n_group:
+                    scores = value_change_scores(values, previous, step_tokens)
+                    keep.append(torch.cat([torch.arange(start), start + top_k_indices(scores, k).cpu()]))
+                    pruned = True
+                else:
+                    keep.append(torch.arange(n_cached))
+                continue
             if k == n_group:
                 keep.append(torch.arange(n_cached))
                 continue

@@ -70,9 +70,10 @@ def test_group_prefill_with_ratio_one_is_token_identical_to_one_shot_and_generat
     assert stats["retention"] == 1.0
 
 
-def test_each_group_keeps_ceil_ratio_of_its_entries_in_every_layer(qwen):
+@pytest.mark.parametrize("importance", ["key_norm", "value_change"])
+def test_each_group_keeps_ceil_ratio_of_its_entries_in_every_layer(qwen, importance):
     model, video = qwen
-    prune = {"importance": "key_norm", "ratio": 0.3, "start_layer": 1, "decay": 0.8}
+    prune = {"importance": importance, "ratio": 0.3, "start_layer": 1, "decay": 0.8}
     tokens = run_graph(quickvideo_nodes(model, group_frames=10, prune=prune), Request("v", video, PROMPT)).outputs["generate.tokens"]
     stats = tokens.meta["prefill"]
     groups = [45, 45, 18]                         # 24 frames in groups of 10, 10, 4: 5, 5, 2 steps of 9 tokens

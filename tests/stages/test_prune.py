@@ -1,5 +1,6 @@
 """QuickPrefill's pruning math (stages/prune.py) on hand-made tensors: the rounding, the per-layer
-ratios, what each importance keeps, and that each layer keeps its own set."""
+ratios, what each importance keeps (value_change across groups too), and that each layer keeps its
+own set."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from stages.prune import (GroupKVPrune, attention_entry_scores, keep_count, key_norm_scores, layer_ratios,
-                          top_k_indices, value_norm_scores)
+                          top_k_indices, value_change_scores, value_norm_scores)
 
 
 @pytest.mark.parametrize("n, ratio, k", [(10, 0.5, 5), (7, 0.5, 4), (30, 0.1, 3), (1, 0.1, 1), (27, 1.0, 27),
@@ -170,3 +171,32 @@ def test_attention_guided_keep_takes_the_top_mass_then_spreads_the_rest():
     # 70 %: tokens 3 and 17, then 4 spread evenly over the other 18
     assert attention_guided_keep(attention, budget=6, mass=0.7).tolist() == [0, 3, 7, 12, 17, 19]
     assert attention_guided_keep(attention, budget=2, mass=0.99).tolist() == [3, 17]
+
+
+def test_value_change_scores_a_token_by_how_much_it_differs_from_its_place_one_step_earlier():
+    still = torch.ones(1, 3, 2)                                   # one step of 3 tokens
+    values = torch.cat([still, still, still + torch.tensor([[[0.0, 0.0], [3.0, 4.0], [0.0, 0.0]]])], dim=1)
+    scores = value_change_scores(values, None, 3)
+    assert torch.isinf(scores[:3]).all()                          # the video's first step: nothing to compare with
+    assert scores[3:].tolist() == [0.0, 0.0, 0.0, 0.0, 5.0, 0.0]
+    with_previous = value_change_scores(values, still * 2, 3)     # the step before the group, from the last group
+    assert torch.allclose(with_previous[:3], torch.full((3,), 2 ** 0.5))
+    newline = value_change_scores(torch.cat([values, still[:, :1]], dim=1), None, 3)
+    assert torch.isinf(newline[-1])                               # past the last whole step: kept
+
+
+def test_value_change_prune_remembers_the_last_step_across_groups_and_keeps_the_changes():
+    step = torch.zeros(1, 9, 4)
+    group = torch.cat([step] * 4, dim=1)                          # 4 steps of a still 3x3 board
+    group[:, 9 * 2 + 4] = 1.0                                     # the centre cell changes in step 2 ...
+    group[:, 9 * 3 + 4] = 1.0                                     # ... and stays (step 3 repeats it)
+    pruner = GroupKVPrune("value_change", ratio=0.5)              # keep 18 of 36
+    kept = pruner.select(lambda i: (group, group), [36], 36, step_tokens=9)[0].tolist()
+    assert kept[:9] == list(range(9))                             # the video's first step has no past: kept
+    assert 9 * 2 + 4 in kept and len(kept) == 18
+    second = torch.cat([step] * 4, dim=1)                         # the next group: the centre is empty again
+    cache = torch.cat([group[:, kept], second], dim=1)
+    kept2 = pruner.select(lambda i: (cache, cache), [cache.shape[1]], 36, step_tokens=9)[0]
+    assert 18 + 4 in kept2.tolist()                               # compared with the last group's last step
+    with pytest.raises(ValueError, match="tokens per temporal step"):
+        GroupKVPrune("value_change").select(lambda i: (group, group), [36], 36)
