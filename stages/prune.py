@@ -141,27 +141,28 @@ class GroupKVPrune:
         keep, pruned = [], False
         for layer, (n_cached, rho) in enumerate(zip(lengths, self.ratios(len(lengths)))):
             start, k = n_cached - n_group, keep_count(n_group, rho)
-            if self.importance == "value_change":       # the next group compares with this one's last step
-                values = layer_kv(layer)[1][:, start:n_cached]
-                previous, whole = self.previous_step.get(layer), n_group - n_group % step_tokens
-                if whole >= step_tokens:
-                    self.previous_step[layer] = values[:, whole - step_tokens:whole].clone()
-                if k < n_group:
-                    scores = value_change_scores(values, previous, step_tokens)
-                    keep.append(torch.cat([torch.arange(start), start + top_k_indices(scores, k).cpu()]))
-                    pruned = True
-                else:
-                    keep.append(torch.arange(n_cached))
-                continue
+            previous = self._remember_last_step(layer_kv, layer, start, n_cached, step_tokens)
             if k == n_group:
                 keep.append(torch.arange(n_cached))
                 continue
-            scores = self._scores(layer_kv, layer, start, n_cached, attention)
+            scores = self._scores(layer_kv, layer, start, n_cached, attention, previous, step_tokens)
             keep.append(torch.cat([torch.arange(start), start + top_k_indices(scores, k).cpu()]))
             pruned = True
         return keep if pruned else None
 
-    def _scores(self, layer_kv, layer: int, start: int, stop: int, attention) -> torch.Tensor:
+    def _remember_last_step(self, layer_kv, layer: int, start: int, stop: int, step_tokens: int):
+        """value_change: the layer's step before this group (None for the first group), and this
+        group's last whole step, unpruned, kept for the next group to compare with."""
+        if self.importance != "value_change":
+            return None
+        previous = self.previous_step.get(layer)
+        whole = (stop - start) - (stop - start) % step_tokens
+        if whole >= step_tokens:
+            self.previous_step[layer] = layer_kv(layer)[1][:, start + whole - step_tokens:start + whole].clone()
+        return previous
+
+    def _scores(self, layer_kv, layer: int, start: int, stop: int, attention, previous=None,
+                step_tokens: int = 0) -> torch.Tensor:
         if self.importance == "random":
             return torch.rand(stop - start, generator=self.generator)
         if self.importance == "attention":
@@ -169,6 +170,8 @@ class GroupKVPrune:
                 raise ValueError("attention importance needs the text query's attention for every layer")
             return attention_entry_scores(attention[layer + 1][:, start:stop])
         keys, values = layer_kv(layer)
+        if self.importance == "value_change":
+            return value_change_scores(values[:, start:stop], previous, step_tokens)
         if self.importance == "key_norm":
             return key_norm_scores(keys[:, start:stop])
         return value_norm_scores(values[:, start:stop])
