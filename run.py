@@ -8,7 +8,9 @@ then writes report.md / report.csv / report.png into the sweep dir.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -17,6 +19,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger("reelflow")
+# `kill -USR1 PID` prints every thread's Python stack to stderr: where a slow or stuck run is.
+# faulthandler writes it from the signal handler itself, so it works even if a thread holds the GIL.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 # run dirs are named after the experiment, or the graph when no experiment is chosen
 OmegaConf.register_new_resolver("first", lambda *xs: next((x for x in xs if x not in (None, "None")), None), replace=True)
 
@@ -30,11 +35,10 @@ def main(cfg: DictConfig) -> float | None:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if cfg.get("train"):      # +experiment=train_toy: training, not a graph
+        import inspect
         import json
 
         from models.toy.train import train
-
-        import inspect
 
         kwargs = OmegaConf.to_container(cfg.train, resolve=True)
         try:

@@ -2,11 +2,13 @@
 files, a bad config is one readable message, sweeps run with the basic and joblib launchers, and
 Ctrl-C cancels cleanly."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,16 +24,30 @@ SMALL_DEMO = ["graph.nodes.source.stage.items=6", "graph.nodes.check.stage.round
 
 
 def run(*args, timeout=240):
-    """`python -m run ...` in its own process group, killed whole (workers too) if it overruns."""
-    proc = subprocess.Popen([sys.executable, "-m", "run", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"python -m run {' '.join(args)} did not finish in {timeout} s:\n{err[-3000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    """`python -m run ...` in its own process group, killed whole (workers too) if it overruns.
+
+    Its output goes to files, not pipes: waiting for a pipe's end would also wait for every
+    process that inherited it (a sweep launcher's workers), and a full pipe would stall the run."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "run", *args], cwd=ROOT, stdout=out, stderr=err,
+                                text=True, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.kill(proc.pid, signal.SIGUSR1)  # run.py prints every thread's stack on it: where it was stuck
+            time.sleep(2)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # whatever of the group is left, workers too
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if timed_out:
+        pytest.fail(f"python -m run {' '.join(args)} did not finish in {timeout} s:\n{stderr[-6000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

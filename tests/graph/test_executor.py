@@ -95,8 +95,18 @@ def test_draft_one_round_ahead_gives_the_same_tokens_and_overlaps():
         checks = calls_of(result, "check")
         return sum(1 for p in calls_of(result, "propose") for c in checks if p.t0 < c.t1 and c.t0 < p.t1)
 
-    assert overlaps(sequential) == 0  # prime 1: draft, then verify
-    assert overlaps(ahead) >= 5       # prime 2: drafting while verifying
+    def verdict_lags(result):
+        """How many rounds back each proposal's verdict came from (the schedule, not the timing)."""
+        check_round = {c.id: k for k, c in enumerate(calls_of(result, "check"))}
+        return {i - check_round[d[0]] for i, p in enumerate(calls_of(result, "propose"))
+                for d in p.deps if d[0] in check_round}
+
+    assert verdict_lags(sequential) == {1}  # prime 1: each draft waits for the last verdict
+    assert verdict_lags(ahead) == {2}       # prime 2: each draft runs one verdict ahead
+    assert overlaps(sequential) == 0
+    # and that lets them run at once; how often depends on the OS scheduler (3 of 20 rounds
+    # under load, ~10 idle), so the test asks only that it happens
+    assert overlaps(ahead) >= 1
 
 
 def test_two_resources_really_run_at_once():
