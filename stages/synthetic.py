@@ -9,6 +9,7 @@ once. `fail_at` makes a stage raise on a chosen item, for failure-handling tests
 from __future__ import annotations
 
 import random
+import time
 
 import torch
 
@@ -155,17 +156,19 @@ class Proposer(_Busy):
 
 class Checker(_Busy):
     """Verifies a proposal with one unit of work, accepting each token with probability `accept`
-    (seeded); ends the loop after `rounds` verifications."""
+    (seeded); ends the loop after `rounds` verifications. wait_s: each verification also waits
+    this long without using a core (a GPU's verify, seen from the CPU)."""
 
     inputs = {"proposal": In(Proposal, stream=True)}
     outputs = {"verdict": Out(Verdict, stream=True), "tokens": Out(Tokens)}
 
     def __init__(self, rounds: int = 50, accept: float = 0.8, size: int = 192, iters: int = 8,
-                 fail_at: int | None = None, seed: int = 4):
+                 fail_at: int | None = None, seed: int = 4, wait_s: float = 0.0):
         super().__init__(size, iters, fail_at, seed)
-        if rounds < 1 or not 0.0 <= accept <= 1.0:
-            raise ValueError(f"rounds must be ≥ 1 and accept in [0, 1], got rounds={rounds}, accept={accept}")
-        self.rounds, self.accept = rounds, accept
+        if rounds < 1 or not 0.0 <= accept <= 1.0 or wait_s < 0:
+            raise ValueError(f"rounds must be ≥ 1, accept in [0, 1] and wait_s ≥ 0, got rounds={rounds}, "
+                             f"accept={accept}, wait_s={wait_s}")
+        self.rounds, self.accept, self.wait_s = rounds, accept, wait_s
         self._reset()
 
     def _reset(self):
@@ -181,6 +184,8 @@ class Checker(_Busy):
             return
         self.maybe_fail(self.verified)
         self.work()
+        if self.wait_s:
+            time.sleep(self.wait_s)
         accepted = 0
         while accepted < len(proposal.tokens) and self.rng.random() < self.accept:
             accepted += 1
