@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import multiprocessing as mp
+import os
 import pickle
 import queue
 import signal
@@ -24,8 +26,29 @@ from typing import Any, Callable
 
 from graph.context import Cancelled, StageContext
 
+log = logging.getLogger(__name__)
 
 _TORCH_INIT = threading.Lock()
+REALTIME_POLICIES = tuple(getattr(os, name) for name in ("SCHED_FIFO", "SCHED_RR") if hasattr(os, name))
+
+
+def leave_realtime_scheduling() -> bool:
+    """Put the calling thread back under the normal time-sharing policy if it runs under a
+    real-time one (SCHED_FIFO / SCHED_RR); True if it did. Why: worker threads and processes
+    inherit the policy, and OpenMP threads spin-wait; a spinning real-time thread never yields
+    its core to the thread it waits for, so the run livelocks (seen: SVT-AV1, run as root, leaves
+    the thread that encoded with it under SCHED_FIFO 99, and everything it started after spun two
+    cores for good). Lowering one's own policy needs no privilege."""
+    if not hasattr(os, "sched_getscheduler"):
+        return False
+    policy = os.sched_getscheduler(0)
+    if policy not in REALTIME_POLICIES:
+        return False
+    log.warning("this process runs under a real-time scheduling policy (%s, inherited from whatever "
+                "started it); reelflow's spinning worker threads would livelock under it, so it now "
+                "runs under SCHED_OTHER", {getattr(os, "SCHED_FIFO", -1): "SCHED_FIFO"}.get(policy, "SCHED_RR"))
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    return True
 
 
 def init_torch_runtime() -> None:
@@ -40,6 +63,7 @@ def init_torch_runtime() -> None:
     one 64x64 matmul with 2 threads on the main thread, and 0.6 s after the same matmul with 1."""
     import torch
 
+    leave_realtime_scheduling()  # before any worker thread or process inherits it
     with _TORCH_INIT:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)

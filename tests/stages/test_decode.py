@@ -31,6 +31,13 @@ def videos(tmp_path_factory):
     return {case: make_video(case, root / case) for case in CASES}
 
 
+def test_encoding_the_av1_clip_leaves_the_scheduling_policy_as_it_was(tmp_path):
+    # SVT-AV1 as root switches the encoding thread to SCHED_FIFO 99; the generator puts it back
+    before = os.sched_getscheduler(0), os.sched_getparam(0)
+    make_video("av1_mkv", tmp_path / "av1")
+    assert (os.sched_getscheduler(0), os.sched_getparam(0)) == before
+
+
 @pytest.fixture(scope="module")
 def pool():
     with DecoderPool(2) as p:

@@ -150,6 +150,20 @@ def _encode(path: Path, fmt: str, codec: str, *, options: dict[str, str] | None 
             pts: list[int] | None = None, time_base: Fraction = Fraction(1, FPS),
             gop_size: int | None = None, rotation: int = 0, audio: bool = False) -> dict:
     """Encode N_FRAMES of ``frame_rgb`` into ``path``; return encoder-side facts."""
+    # SVT-AV1, run as root, leaves the thread that encodes under SCHED_FIFO 99: everything this
+    # process starts afterwards would inherit it (and livelock; graph.workers.leave_realtime_scheduling)
+    policy, param = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        return _encode_frames(path, fmt, codec, options=options, pts=pts, time_base=time_base,
+                              gop_size=gop_size, rotation=rotation, audio=audio)
+    finally:
+        if (os.sched_getscheduler(0), os.sched_getparam(0)) != (policy, param):
+            os.sched_setscheduler(0, policy, param)
+
+
+def _encode_frames(path: Path, fmt: str, codec: str, *, options: dict[str, str] | None,
+                   pts: list[int] | None, time_base: Fraction, gop_size: int | None, rotation: int,
+                   audio: bool) -> dict:
     pts = pts if pts is not None else list(range(N_FRAMES))
     keyframes = 0
     os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its banner to stderr otherwise
