@@ -18,6 +18,7 @@ memory is one group's; the cache is what pruning shrinks.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -37,7 +38,7 @@ class ContextTooLong(ValueError):
 
 class Prefill(Stage):
     """mode: one_shot | groups; group_frames: frames per prefill group (groups mode; 0 = as the
-    encoder delivers them); prune: null, or {importance, ratio, start_layer, decay, seed}
+    encoder delivers them); prune: null, or GroupKVPrune's keys {importance, ratio, start_layer, decay, seed, keyframe_every}
     (stages.prune.GroupKVPrune; groups mode); measure_memory: record each group's peak memory
     (models.memory.PeakMemory: on a GPU this synchronises once per group; on a CPU it counts every
     operation's tensors, ~25 % slower)."""
@@ -73,9 +74,10 @@ class Prefill(Stage):
             raise ValueError(f"attention: layer numbers ≥ 1 whose text-query attention the one-shot prefill "
                              f"publishes, got {attention} (mode {mode})")
         if self.prune:
-            unknown = set(self.prune) - {"importance", "ratio", "start_layer", "decay", "seed"}
+            known = list(inspect.signature(GroupKVPrune).parameters)
+            unknown = set(self.prune) - set(known)
             if unknown:
-                raise ValueError(f"prune: unknown keys {sorted(unknown)}; known: importance, ratio, start_layer, decay, seed")
+                raise ValueError(f"prune: unknown keys {sorted(unknown)}; known: {', '.join(known)}")
             GroupKVPrune(**self.prune)    # validate now, before any weights load
         self.lm = None
 

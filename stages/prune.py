@@ -15,7 +15,10 @@ by an importance score:
     value_change s = ‖v_i − v_(i−P)‖  how much a token differs from the same place one temporal
                  step (P tokens) earlier: not one of the seed's; a temporal-redundancy score (as
                  DyCoke-style pruning of tokens that repeat the previous frame), added because the
-                 seed's fail on the toy zoo, whose cells hold still for seconds between events
+                 seed's fail on the toy zoo, whose cells hold still for seconds between events.
+                 Every `keyframe_every` temporal steps one step is kept whole (an I-frame among
+                 P-frame residuals): with changes alone nothing still survives after the first
+                 step, and the toy's captions then lose their background and end early
 
 Choices the seed leaves open, and what we do:
 - Heads. One kept set per layer, shared by all its heads (a cache row is one token in every
@@ -70,23 +73,46 @@ def value_norm_scores(values: torch.Tensor) -> torch.Tensor:
     return values.float().square().sum(dim=(0, 2)).sqrt()
 
 
-def value_change_scores(values: torch.Tensor, previous_step: torch.Tensor | None, step_tokens: int) -> torch.Tensor:
-    """values [kv_heads, n, head_dim] of a group of whole temporal steps of `step_tokens` tokens
-    (any tokens past the last whole step, like LLaVA's closing newline, score +inf: kept);
-    previous_step [kv_heads, step_tokens, head_dim]: the step before the group, unpruned (None
-    for the video's first group, whose first step then scores +inf) -> [n]: ‖v_i − v_(i−P)‖ over
-    all heads. Values carry no rotary position, so a cell that holds still scores near 0."""
+def value_change_scores(values: torch.Tensor, previous_step: torch.Tensor | None, step_tokens: int,
+                        keyframes: tuple[int, ...] = (0,)) -> torch.Tensor:
+    """values [kv_heads, n, head_dim] of a group of whole temporal steps of `step_tokens` tokens;
+    previous_step [kv_heads, step_tokens, head_dim]: the step before the group, unpruned (None for
+    the video's first group); keyframes: the group's steps (0-based) kept whole -> [n].
+
+    A token scores ‖v_i − v_(i−P)‖ over all heads: values carry no rotary position, so a cell that
+    holds still scores near 0. Keyframe tokens score above every such change (an I-frame among
+    P-frame residuals), ranked among themselves by how much they differ from their frame's
+    median (`spatial_change_scores`), so a budget smaller than a step keeps the frame's
+    distinctive cells. Tokens past the last whole step (LLaVA's closing newline) score +inf."""
     n = values.shape[1]
     whole = n - n % step_tokens
     scores = torch.full((n,), float("inf"))
     if whole == 0:
         return scores
-    before = values[:, : max(0, whole - step_tokens)]
+    if previous_step is None and 0 not in keyframes:
+        raise ValueError("the video's first step has nothing before it: it must be a keyframe")
+    v = values[:, :whole].float()
+    before = v[:, : whole - step_tokens]
     if previous_step is not None:
-        before = torch.cat([previous_step, before], dim=1)
+        before = torch.cat([previous_step.float(), before], dim=1)
     first = whole - before.shape[1]                    # step_tokens when there is no previous step
-    scores[first:whole] = (values[:, first:whole].float() - before.float()).square().sum(dim=(0, 2)).sqrt()
+    scores[first:whole] = (v[:, first:] - before).square().sum(dim=(0, 2)).sqrt()
+    frames = [s for s in sorted(set(keyframes)) if 0 <= s < whole // step_tokens]
+    if frames:
+        changes = scores[first:whole]
+        changes = changes[torch.isfinite(changes)]
+        above = 1.0 + (float(changes.max()) if changes.numel() else 0.0)
+        for s in frames:
+            at = slice(s * step_tokens, (s + 1) * step_tokens)
+            scores[at] = above + spatial_change_scores(v[:, at])
     return scores
+
+
+def spatial_change_scores(values: torch.Tensor) -> torch.Tensor:
+    """values [kv_heads, m, head_dim] of one temporal step -> [m]: ‖v_i − median_j v_j‖ over all
+    heads, how much a token differs from what its frame mostly shows (the background)."""
+    typical = values.float().median(dim=1, keepdim=True).values
+    return (values.float() - typical).square().sum(dim=(0, 2)).sqrt()
 
 
 def attention_entry_scores(probs: torch.Tensor) -> torch.Tensor:
@@ -105,10 +131,12 @@ class GroupKVPrune:
     """QuickPrefill's per-group KV pruning, applied by the group prefill after each group.
 
     importance: key_norm | value_norm | attention | random | value_change; ratio: ρ in (0, 1];
-    start_layer, decay: see the module docstring; seed: for `random`."""
+    start_layer, decay: see the module docstring; seed: for `random`; keyframe_every: for
+    `value_change`, every this many temporal steps (counted over the whole video) one step is kept
+    whole, 0: only the video's first."""
 
     def __init__(self, importance: str = "key_norm", ratio: float = 0.5, start_layer: int = 0,
-                 decay: float = 1.0, seed: int = 0):
+                 decay: float = 1.0, seed: int = 0, keyframe_every: int = 0):
         if importance not in IMPORTANCE:
             raise ValueError(f"prune.importance must be one of {', '.join(IMPORTANCE)}, got {importance!r}")
         keep_count(1, ratio)      # validates ratio
@@ -116,9 +144,13 @@ class GroupKVPrune:
             raise ValueError(f"prune.start_layer must be ≥ 0, got {start_layer}")
         if not 0 < decay <= 1:
             raise ValueError(f"prune.decay must be in (0, 1], got {decay}")
+        if keyframe_every < 0:
+            raise ValueError(f"prune.keyframe_every must be ≥ 0 (0: only the video's first step), got {keyframe_every}")
         self.importance, self.ratio, self.start_layer, self.decay = importance, ratio, start_layer, decay
+        self.keyframe_every = keyframe_every
         self.generator = torch.Generator().manual_seed(seed)
         self.previous_step: dict[int, torch.Tensor] = {}     # value_change: each layer's last step, unpruned
+        self.steps_done = 0                                  # value_change: temporal steps in earlier groups
 
     @property
     def needs_attention(self) -> bool:
@@ -139,16 +171,28 @@ class GroupKVPrune:
         if self.importance == "value_change" and step_tokens <= 0:
             raise ValueError("value_change importance needs the number of visual tokens per temporal step")
         keep, pruned = [], False
+        keyframes = self._keyframes(n_group, step_tokens)
         for layer, (n_cached, rho) in enumerate(zip(lengths, self.ratios(len(lengths)))):
             start, k = n_cached - n_group, keep_count(n_group, rho)
             previous = self._remember_last_step(layer_kv, layer, start, n_cached, step_tokens)
             if k == n_group:
                 keep.append(torch.arange(n_cached))
                 continue
-            scores = self._scores(layer_kv, layer, start, n_cached, attention, previous, step_tokens)
+            scores = self._scores(layer_kv, layer, start, n_cached, attention, previous, step_tokens, keyframes)
             keep.append(torch.cat([torch.arange(start), start + top_k_indices(scores, k).cpu()]))
             pruned = True
+        if step_tokens > 0:
+            self.steps_done += n_group // step_tokens
         return keep if pruned else None
+
+    def _keyframes(self, n_group: int, step_tokens: int) -> tuple[int, ...]:
+        """value_change: the group's steps (0-based) that are keyframes, from the video's step count."""
+        if self.importance != "value_change":
+            return ()
+        steps = range(self.steps_done, self.steps_done + n_group // step_tokens)
+        if self.keyframe_every == 0:
+            return (0,) if self.steps_done == 0 else ()
+        return tuple(s - self.steps_done for s in steps if s % self.keyframe_every == 0)
 
     def _remember_last_step(self, layer_kv, layer: int, start: int, stop: int, step_tokens: int):
         """value_change: the layer's step before this group (None for the first group), and this
@@ -162,7 +206,7 @@ class GroupKVPrune:
         return previous
 
     def _scores(self, layer_kv, layer: int, start: int, stop: int, attention, previous=None,
-                step_tokens: int = 0) -> torch.Tensor:
+                step_tokens: int = 0, keyframes: tuple[int, ...] = ()) -> torch.Tensor:
         if self.importance == "random":
             return torch.rand(stop - start, generator=self.generator)
         if self.importance == "attention":
@@ -171,14 +215,14 @@ class GroupKVPrune:
             return attention_entry_scores(attention[layer + 1][:, start:stop])
         keys, values = layer_kv(layer)
         if self.importance == "value_change":
-            return value_change_scores(values[:, start:stop], previous, step_tokens)
+            return value_change_scores(values[:, start:stop], previous, step_tokens, keyframes)
         if self.importance == "key_norm":
             return key_norm_scores(keys[:, start:stop])
         return value_norm_scores(values[:, start:stop])
 
     def describe(self) -> dict:
         return {"importance": self.importance, "ratio": self.ratio, "start_layer": self.start_layer,
-                "decay": self.decay}
+                "decay": self.decay, "keyframe_every": self.keyframe_every}
 
 
 # ------------------------------------------------------------------------------ UV-Prune

@@ -175,14 +175,20 @@ def test_attention_guided_keep_takes_the_top_mass_then_spreads_the_rest():
 
 def test_value_change_scores_a_token_by_how_much_it_differs_from_its_place_one_step_earlier():
     still = torch.ones(1, 3, 2)                                   # one step of 3 tokens
-    values = torch.cat([still, still, still + torch.tensor([[[0.0, 0.0], [3.0, 4.0], [0.0, 0.0]]])], dim=1)
+    first = torch.tensor([[[1.0, 1.0], [1.0, 1.0], [4.0, 5.0]]])   # the video's first step: one cell stands out
+    values = torch.cat([first, first, first + torch.tensor([[[0.0, 0.0], [3.0, 4.0], [0.0, 0.0]]])], dim=1)
     scores = value_change_scores(values, None, 3)
-    assert torch.isinf(scores[:3]).all()                          # the video's first step: nothing to compare with
     assert scores[3:].tolist() == [0.0, 0.0, 0.0, 0.0, 5.0, 0.0]
-    with_previous = value_change_scores(values, still * 2, 3)     # the step before the group, from the last group
-    assert torch.allclose(with_previous[:3], torch.full((3,), 2 ** 0.5))
+    # the first step is a keyframe: above every change, its odd cell first (‖(3, 4)‖ from the median)
+    assert scores[:3].tolist() == [6.0, 6.0, 11.0]
+    with_previous = value_change_scores(values, still * 2, 3, keyframes=())  # the step before, from the last group
+    assert torch.allclose(with_previous[:3], torch.tensor([2 ** 0.5, 2 ** 0.5, 13 ** 0.5]))
+    keyframed = value_change_scores(values, still * 2, 3, keyframes=(1,))   # a later keyframe
+    assert keyframed[3:6].tolist() == [6.0, 6.0, 11.0] and keyframed[7] == 5.0
     newline = value_change_scores(torch.cat([values, still[:, :1]], dim=1), None, 3)
     assert torch.isinf(newline[-1])                               # past the last whole step: kept
+    with pytest.raises(ValueError, match="first step has nothing before it"):
+        value_change_scores(values, None, 3, keyframes=())
 
 
 def test_value_change_prune_remembers_the_last_step_across_groups_and_keeps_the_changes():
@@ -200,3 +206,18 @@ def test_value_change_prune_remembers_the_last_step_across_groups_and_keeps_the_
     assert 18 + 4 in kept2.tolist()                               # compared with the last group's last step
     with pytest.raises(ValueError, match="tokens per temporal step"):
         GroupKVPrune("value_change").select(lambda i: (group, group), [36], 36)
+
+
+@pytest.mark.parametrize("every, expect", [(0, [[0], [], []]), (3, [[0, 3], [2], [1]]), (4, [[0], [0], [0]])])
+def test_value_change_keyframes_follow_the_videos_step_count_across_groups(every, expect):
+    pruner = GroupKVPrune("value_change", ratio=0.5, keyframe_every=every)
+    group = torch.zeros(1, 4 * 9, 4)                              # groups of 4 steps of a still 3x3 board
+    seen = []
+    for _ in range(3):
+        seen.append(list(pruner._keyframes(36, 9)))
+        kept = pruner.select(lambda i: (group, group), [36], 36, step_tokens=9)[0].tolist()
+        for step in seen[-1]:                                     # a keyframe is kept whole
+            assert set(range(9 * step, 9 * step + 9)) <= set(kept)
+    assert seen == expect
+    with pytest.raises(ValueError, match="keyframe_every must be ≥ 0"):
+        GroupKVPrune("value_change", keyframe_every=-1)
