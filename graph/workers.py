@@ -46,7 +46,7 @@ def leave_realtime_scheduling() -> bool:
         return False
     log.warning("this process runs under a real-time scheduling policy (%s, inherited from whatever "
                 "started it); reelflow's spinning worker threads would livelock under it, so it now "
-                "runs under SCHED_OTHER", {getattr(os, "SCHED_FIFO", -1): "SCHED_FIFO"}.get(policy, "SCHED_RR"))
+                "runs under SCHED_OTHER", "SCHED_FIFO" if policy == os.SCHED_FIFO else "SCHED_RR")
     os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     return True
 

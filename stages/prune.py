@@ -74,10 +74,11 @@ def value_norm_scores(values: torch.Tensor) -> torch.Tensor:
 
 
 def value_change_scores(values: torch.Tensor, previous_step: torch.Tensor | None, step_tokens: int,
-                        keyframes: tuple[int, ...] = (0,)) -> torch.Tensor:
+                        keyframes: tuple[int, ...] | None = None) -> torch.Tensor:
     """values [kv_heads, n, head_dim] of a group of whole temporal steps of `step_tokens` tokens;
     previous_step [kv_heads, step_tokens, head_dim]: the step before the group, unpruned (None for
-    the video's first group); keyframes: the group's steps (0-based) kept whole -> [n].
+    the video's first group); keyframes: the group's steps (0-based) kept whole (None: the video's
+    first step only, i.e. step 0 when there is no previous step) -> [n].
 
     A token scores ‖v_i − v_(i−P)‖ over all heads: values carry no rotary position, so a cell that
     holds still scores near 0. Keyframe tokens score above every such change (an I-frame among
@@ -89,6 +90,8 @@ def value_change_scores(values: torch.Tensor, previous_step: torch.Tensor | None
     scores = torch.full((n,), float("inf"))
     if whole == 0:
         return scores
+    if keyframes is None:
+        keyframes = (0,) if previous_step is None else ()
     if previous_step is None and 0 not in keyframes:
         raise ValueError("the video's first step has nothing before it: it must be a keyframe")
     v = values[:, :whole].float()

@@ -181,7 +181,7 @@ def test_value_change_scores_a_token_by_how_much_it_differs_from_its_place_one_s
     assert scores[3:].tolist() == [0.0, 0.0, 0.0, 0.0, 5.0, 0.0]
     # the first step is a keyframe: above every change, its odd cell first (‖(3, 4)‖ from the median)
     assert scores[:3].tolist() == [6.0, 6.0, 11.0]
-    with_previous = value_change_scores(values, still * 2, 3, keyframes=())  # the step before, from the last group
+    with_previous = value_change_scores(values, still * 2, 3)     # the step before, from the last group
     assert torch.allclose(with_previous[:3], torch.tensor([2 ** 0.5, 2 ** 0.5, 13 ** 0.5]))
     keyframed = value_change_scores(values, still * 2, 3, keyframes=(1,))   # a later keyframe
     assert keyframed[3:6].tolist() == [6.0, 6.0, 11.0] and keyframed[7] == 5.0
