@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from graph.workers import REALTIME_POLICIES
+from graph.workers import leave_realtime_scheduling
 
 
 @pytest.fixture
@@ -24,6 +24,5 @@ def stays_time_shared():
     """Fails a test that leaves this process under a real-time scheduling policy (and puts it
     back): every later test's processes would inherit it and could livelock the machine."""
     yield
-    if os.sched_getscheduler(0) in REALTIME_POLICIES:
-        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    if leave_realtime_scheduling():
         pytest.fail("the test left the process under a real-time scheduling policy (SCHED_FIFO/RR)")
