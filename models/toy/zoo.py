@@ -30,12 +30,21 @@ SHAPES = {
 }
 
 
-def zoo_config(name: str):
-    """The transformers config of zoo model `name` (see SHAPES)."""
+# Rotary base. 10000 gives the toy's Qwen2.5-VL temporal section (the 8 highest of its 32
+# frequencies) a slowest period of 2*pi*10000**(7/32) = 47 temporal positions, i.e. 47 s of video:
+# order beyond that is aliased. Real Qwen2.5-VL (head 128, 16 temporal frequencies, base 1e6)
+# reaches 161; base 1e6 on the toy's head of 64 reaches 129. See train(rope_theta=...).
+ROPE_THETA = 10000.0
+
+
+def zoo_config(name: str, rope_theta: float | None = None):
+    """The transformers config of zoo model `name` (see SHAPES), with rotary base `rope_theta`
+    (default ROPE_THETA)."""
     if name not in SHAPES:
         raise ValueError(f"no toy model {name!r}; the zoo has {', '.join(SHAPES)}")
     arch, text, vision = SHAPES[name]
     tok = build_tokenizer(arch)
+    theta = float(rope_theta or ROPE_THETA)
     ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
     text_config = dict(
         vocab_size=PAD_TO, hidden_size=text["hidden"], num_hidden_layers=text["layers"],
@@ -48,7 +57,7 @@ def zoo_config(name: str):
         head_dim = text["hidden"] // text["heads"]
         # MRoPE splits each head's rotary half into (temporal, height, width) sections
         t = head_dim // 2 - 2 * (3 * head_dim // 16)
-        text_config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+        text_config["rope_parameters"] = {"rope_type": "default", "rope_theta": theta,
                                           "mrope_section": [t, 3 * head_dim // 16, 3 * head_dim // 16]}
         return Qwen2_5_VLConfig(
             text_config=text_config,
@@ -64,7 +73,7 @@ def zoo_config(name: str):
             tie_word_embeddings=True, **ids)
     from transformers import LlavaOnevisionConfig
 
-    text_config.update(model_type="qwen2", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    text_config.update(model_type="qwen2", rope_parameters={"rope_type": "default", "rope_theta": theta})
     return LlavaOnevisionConfig(
         text_config=text_config,
         vision_config=dict(model_type="siglip_vision_model", hidden_size=vision["hidden"],

@@ -55,6 +55,27 @@ def test_training_goes_on_from_a_checkpoint_and_keeps_its_recipe(tmp_path):
     import pytest
     with pytest.raises(ValueError, match="is not a qwen-target checkpoint"):
         train("qwen-target", steps=1, init=str(first), progress=False)
+    with pytest.raises(ValueError, match="trained with 10000"):      # the rotary base belongs to the checkpoint
+        train("qwen-draft", steps=1, init=str(first), rope_theta=1e6, progress=False)
+
+
+def test_the_rotary_base_is_a_zoo_option_for_both_families(tmp_path):
+    from models.toy.zoo import ROPE_THETA
+    for name in ("qwen-draft", "llava-draft"):
+        assert zoo_config(name).text_config.rope_parameters["rope_theta"] == ROPE_THETA
+        assert zoo_config(name, rope_theta=1e6).text_config.rope_parameters["rope_theta"] == 1e6
+    train("qwen-draft", steps=1, batch_size=1, seconds=(2, 2), warm_seconds=(2, 2), warmup=1, eval_seconds=2,
+          eval_videos=1, rope_theta=1e6, precision="fp32", out=str(tmp_path / "ck"), progress=False)
+    loaded = load_model(str(tmp_path / "ck"), name="d").model.config.text_config
+    assert loaded.rope_parameters["rope_theta"] == 1e6
+    saved = json.loads((tmp_path / "ck" / "training.json").read_text())
+    assert saved["rope_theta"] == 1e6 and saved["precision"] == "fp32"
+
+
+def test_an_unknown_precision_is_refused_before_any_work():
+    import pytest
+    with pytest.raises(ValueError, match="bf16 .* or fp32"):
+        train("qwen-draft", steps=1, precision="fp16", progress=False)
 
 
 def test_cell_labels_say_what_is_on_each_cell_and_where_the_cell_is():
