@@ -14,8 +14,10 @@ otherwise. Loss is next-token cross-entropy on the answer and its closing <|im_e
 `aux_weight`) a linear probe on every visual token predicting what is on its cell of the 3x3 board
 (shape, color, size, background; `cell_labels`): a dense perception signal, since the caption
 loss alone reaches the vision tower only through a few content words per event (measured: the
-probe's loss falls to ~0.06 within 400 draft steps while the caption loss is still high). The
-probe is not part of the saved model.
+probe's loss falls to ~0.06 within 400 draft steps while the caption loss is still high). Two more
+training-only targets: an event probe at the middle layer (what changed on each token's cell) and a
+grounding loss on one upper-layer head (while the answer states an event, look where it is shown);
+see EVENT_CLASSES and event_tokens. None of them is part of the saved model.
 """
 
 from __future__ import annotations
@@ -104,6 +106,11 @@ def cell_labels(world: toy.World, fps: float, n_frames: int, frames_per_token: i
 EVENT_CLASSES = ("none", "appear", "disappear", *toy.DIRECTIONS, "leave", "recolor", "grow", "shrink", "background")
 
 
+def _first_step(t: float, fps: float, frames_per_token: int) -> int:
+    """The temporal step of the first frame that shows the world at `t` s or later (frame k shows k / fps s)."""
+    return math.ceil(round(t * fps, 6)) // frames_per_token
+
+
 def event_labels(world: toy.World, fps: float, n_frames: int, frames_per_token: int) -> torch.Tensor:
     """int64 [ceil(n_frames / frames_per_token) * 9]: for each visual token (row-major cells of each
     temporal step), the index in EVENT_CLASSES of what changed on its cell in that step: the step of
@@ -112,7 +119,7 @@ def event_labels(world: toy.World, fps: float, n_frames: int, frames_per_token: 
     labels = torch.zeros(steps, toy.GRID * toy.GRID, dtype=torch.int64)
 
     def mark(t: float, cell, name: str) -> None:
-        step = math.ceil(round(t * fps, 6)) // frames_per_token
+        step = _first_step(t, fps, frames_per_token)
         if step < steps:
             cells = range(toy.GRID * toy.GRID) if cell is None else [cell[1] * toy.GRID + cell[0]]
             for c in cells:
@@ -138,6 +145,76 @@ def event_labels(world: toy.World, fps: float, n_frames: int, frames_per_token: 
     return labels.reshape(-1)
 
 
+# Where the answer should look (a third training-only target, `ground_weight`): with the two probes
+# above the visual tokens know what is on their cell and what changed there, yet the descriptions
+# still named the wrong object or direction (a target trained with both: F1 0.94 on 10-s videos,
+# 0.64 on 30-s ones, "moves right" for most moves): the text does not find the event it is
+# describing. So one head of one upper layer is told where that is: while the answer states event
+# j, the head should put its attention on the visual tokens that show event j (temporal grounding,
+# the kind of data real Video-LLMs are trained on).
+
+def event_tokens(world: toy.World, fps: float, n_frames: int, frames_per_token: int) -> list[list[int]]:
+    """For each event of the world's truth (in order), the indices among the video's visual tokens
+    (row-major cells of each temporal step) that show it: the object's cell in the step of the
+    first frame showing the event (for a move, the cell it leaves and, when the glide ends, the
+    cell it reaches); every cell for a background change. Empty when it falls after the last step."""
+    steps = math.ceil(n_frames / frames_per_token)
+    cells_per_step = toy.GRID * toy.GRID
+
+    def at(t: float, cell) -> list[int]:
+        step = _first_step(t, fps, frames_per_token)
+        if step >= steps:
+            return []
+        where = range(cells_per_step) if cell is None else [cell[1] * toy.GRID + cell[0]]
+        return [step * cells_per_step + c for c in where]
+
+    where: dict[int, tuple[int, int]] = {}
+    out = []
+    for e, cell in zip(world.truth.events, world.cells):
+        if e.kind == "background":
+            out.append(at(e.time, None))
+        elif e.kind == "appear":
+            where[e.obj] = cell
+            out.append(at(e.time, cell))
+        elif e.kind == "move":
+            out.append(at(e.time, where[e.obj]) + at(e.time + toy.MOVE_S, cell))
+            where[e.obj] = cell
+        else:
+            out.append(at(e.time, where[e.obj]))
+            if e.kind == "disappear":
+                del where[e.obj]
+    return out
+
+
+def answer_events(truth: toy.Truth, answer: str) -> list[int] | None:
+    """The events an answer's clauses state, in order, when the answer is a description of the
+    events from some point on (the description, "what happened after ..."); None otherwise."""
+    for first in range(len(truth.events)):
+        if answer == toy.caption(toy.Truth(truth.seconds, truth.events[first:])):
+            return list(range(first, len(truth.events)))
+    return None
+
+
+def grounding_mask(truth: toy.Truth, answer: str, tokens: list[list[int]], answer_at: int, video_at: int,
+                   width: int) -> torch.Tensor:
+    """bool [width, width]: row q marks the positions the grounding head should attend to from
+    position q, i.e. where the event is shown whose clause the token at q + 1 belongs to (the
+    logits at q predict it). All False where the answer is not a description."""
+    mask = torch.zeros(width, width, dtype=torch.bool)
+    stated = answer_events(truth, answer)
+    if stated is None:
+        return mask
+    offset = answer_at
+    for i in stated:
+        n = len(toy._clause(truth.events[i]).split())
+        if tokens[i]:
+            where = torch.tensor(tokens[i]) + video_at
+            for q in range(offset - 1, offset + n - 1):
+                mask[q, where] = True
+        offset += n
+    return mask
+
+
 def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bool,
                  stretch: list[float] | None = None) -> dict:
     """The batch as the transformers model's forward takes it: right-padded ids, the video's
@@ -146,7 +223,7 @@ def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bo
     on the seconds each temporal patch spans, which spreads the video's temporal positions over a
     longer range (see Batches)."""
     arch = config.model_type
-    rows, labels, pixels, grids, cells, events = [], [], [], [], [], []
+    rows, labels, pixels, grids, cells, events, grounds = [], [], [], [], [], [], []
     for ex in examples:
         if with_answers and ex.world is not None:
             step = config.vision_config.temporal_patch_size if arch == "qwen2_5_vl" else 1
@@ -161,7 +238,10 @@ def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bo
             pixels.append(siglip_video_pixels(ex.frames, SIGLIP_MEAN, SIGLIP_STD))
             side = math.ceil(config.vision_config.image_size // config.vision_config.patch_size / 2)
             n_video, placeholder = ex.frames.shape[0] * side * side + 1, config.video_token_index
-        ids, _ = video_prompt_ids(tokenizer, ex.prompt, placeholder, n_video)
+        ids, video_at = video_prompt_ids(tokenizer, ex.prompt, placeholder, n_video)
+        if with_answers and ex.world is not None:
+            tokens = event_tokens(ex.world, FPS[arch], ex.frames.shape[0], step)
+            grounds.append((ex.truth, ex.answer, tokens, len(ids), video_at))
         target = []
         if with_answers:
             target = tokenizer(ex.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
@@ -177,6 +257,7 @@ def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bo
         if len(cells) == len(rows):
             batch["cell_labels"] = torch.stack(cells) if arch != "qwen2_5_vl" else torch.cat(cells)
             batch["event_labels"] = torch.cat(events)
+            batch["ground_mask"] = torch.stack([grounding_mask(*g, width) for g in grounds])
     if arch == "qwen2_5_vl":
         batch["pixel_values_videos"] = torch.cat(pixels)
         batch["video_grid_thw"] = torch.tensor(grids)
@@ -231,17 +312,21 @@ class Batches(torch.utils.data.IterableDataset):
                                stretch=self.stretches(rng))
 
 
-def step_losses(net, heads: dict, batch: dict, teacher=None) -> dict[str, torch.Tensor]:
+def step_losses(net, heads: dict, batch: dict, teacher=None, ground_layer: int | None = None) -> dict[str, torch.Tensor]:
     """{"lm": language-model loss, "cells": cell-content loss, "events": event loss, "distill":
-    KL(teacher ‖ model) on the answer's positions}, each but the first only with its head, labels
-    or teacher. The video is encoded once; the cell probe reads each visual token as it enters the
-    language model, the event probe reads it at the middle layer; the same features go into the
-    language model through `mm_encoder_outputs`."""
+    KL(teacher ‖ model) on the answer's positions, "ground": grounding loss}, each but the first
+    only with its head, labels, teacher or `ground_layer` (the layer whose first head is grounded;
+    needs eager attention, which returns the weights). The video is encoded once; the cell probe
+    reads each visual token as it enters the language model, the event probe reads it at the middle
+    layer; the same features go into the language model through `mm_encoder_outputs`."""
     batch = dict(batch)
     cells, events = batch.pop("cell_labels", None), batch.pop("event_labels", None)
+    ground_mask = batch.pop("ground_mask", None)
+    ground = ground_layer is not None and ground_mask is not None
     if not heads or cells is None:
-        out = net(**batch)
-        return {"lm": out.loss} | ({"distill": distill_loss(out.logits, teacher, batch)} if teacher is not None else {})
+        out = net(**batch, output_attentions=ground)
+        losses = {"lm": out.loss} | ({"distill": distill_loss(out.logits, teacher, batch)} if teacher is not None else {})
+        return losses | ({"ground": grounding_loss(out.attentions[ground_layer], ground_mask)} if ground else {})
     pixels = batch.pop("pixel_values_videos")
     qwen = net.config.model_type == "qwen2_5_vl"
     if qwen:
@@ -250,8 +335,11 @@ def step_losses(net, heads: dict, batch: dict, teacher=None) -> dict[str, torch.
     else:
         feats = net.model.get_video_features(pixels)
         tokens = feats.pooler_output[:, :-1].reshape(-1, feats.pooler_output.shape[-1])   # newline dropped
-    out = net(**batch, mm_encoder_outputs={"video": feats}, output_hidden_states="events" in heads)
+    out = net(**batch, mm_encoder_outputs={"video": feats}, output_hidden_states="events" in heads,
+              output_attentions=ground)
     losses = {"lm": out.loss}
+    if ground:
+        losses["ground"] = grounding_loss(out.attentions[ground_layer], ground_mask)
     if teacher is not None:
         losses["distill"] = distill_loss(out.logits, teacher, {**batch, "pixel_values_videos": pixels})
     if "cells" in heads:
@@ -271,6 +359,16 @@ def step_losses(net, heads: dict, batch: dict, teacher=None) -> dict[str, torch.
         weight[0] = 0.1
         losses["events"] = torch.nn.functional.cross_entropy(logits, events, weight=weight)
     return losses
+
+
+def grounding_loss(attention: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """-log of the attention mass the first head puts where `mask` says, averaged over the positions
+    that have a target (attention: [batch, heads, queries, keys]; mask: bool [batch, queries, keys])."""
+    has_target = mask.any(-1)
+    if not has_target.any():
+        return attention.sum() * 0.0
+    mass = (attention[:, 0].float() * mask).sum(-1)[has_target]
+    return -torch.log(mass.clamp_min(1e-6)).mean()
 
 
 def distill_loss(logits: torch.Tensor, teacher, batch: dict) -> torch.Tensor:
@@ -307,7 +405,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
           seconds: tuple = (8, 32), warm_seconds: tuple = (2, 12), ramp: float = 0.5, seed: int = 0, eval_seconds: float = 30.0, eval_videos: int = 8,
           aux_weight: float = 1.0, event_weight: float = 0.0, stretch: float = 1.0, init: str | None = None,
           teacher: str | None = None, distill_weight: float = 1.0, rope_theta: float | None = None,
-          precision: str = "bf16", log_every: int = 50, eval_every: int = 250, out: str | None = None, progress: bool | None = None) -> dict:
+          precision: str = "bf16", ground_weight: float = 0.0, ground_layer: int | None = None, log_every: int = 50, eval_every: int = 250, out: str | None = None, progress: bool | None = None) -> dict:
     """Trains zoo model `model` and saves it under `out` (default models/toy/weights/<model>)."""
     from tqdm import tqdm
     from transformers import AutoModelForImageTextToText
@@ -330,6 +428,14 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
                              "the rotary base is part of the checkpoint; leave rope_theta unset")
     else:
         net = AutoModelForImageTextToText.from_config(config)
+    if ground_weight > 0:   # the grounding loss reads one head's attention weights, which only eager returns
+        net.set_attn_implementation("eager")
+        layers = net.config.text_config.num_hidden_layers
+        ground_layer = max(1, layers - 2) if ground_layer is None else int(ground_layer)
+        if not 0 <= ground_layer < layers:
+            raise ValueError(f"ground_layer={ground_layer}: {model} has layers 0..{layers - 1}")
+    else:
+        ground_layer = None
     n_params = sum(p.numel() for p in net.parameters())
     log.info("training %s: %s, %.2f M parameters, %d steps of %d videos of %s s", model,
              type(net).__name__, n_params / 1e6, steps, batch_size, seconds)
@@ -339,7 +445,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
         heads["cells"] = torch.nn.Linear(hidden, sum(len(v) for v in AUX.values()))
     if event_weight > 0:
         heads["events"] = torch.nn.Linear(hidden, len(EVENT_CLASSES))
-    weights = {"lm": 1.0, "cells": aux_weight, "events": event_weight, "distill": distill_weight}
+    weights = {"lm": 1.0, "cells": aux_weight, "events": event_weight, "distill": distill_weight, "ground": ground_weight}
     if teacher:     # a trained target of the same architecture and tokenizer, frozen
         teacher_net = AutoModelForImageTextToText.from_pretrained(teacher, dtype=torch.float32, use_safetensors=True)
         if teacher_net.config.model_type != config.model_type:
@@ -363,7 +469,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
         # bf16 autocast: matmuls in bf16, weights and optimizer in fp32; measured on these 2 cores
         # (AVX512-BF16), a target step on 8 videos of 32 s takes 1.25 s instead of 2.0 s
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            losses = step_losses(net, heads, batch, teacher_net)
+            losses = step_losses(net, heads, batch, teacher_net, ground_layer)
         sum(weights[k] * v for k, v in losses.items()).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -371,9 +477,10 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
         opt.zero_grad(set_to_none=True)
         for k, v in losses.items():
             running[k] = v.item() if k not in running else 0.95 * running[k] + 0.05 * v.item()
-        bar.set_postfix(loss=f"{running['lm']:.3f}")
+        bar.set_postfix(loss=f"{running['lm']:.3f}", refresh=False)   # drawn at the bar's own pace
         if (step + 1) % log_every == 0 or step + 1 == steps:
-            names = {"lm": "loss", "cells": "aux_loss", "events": "event_loss", "distill": "distill_loss"}
+            names = {"lm": "loss", "cells": "aux_loss", "events": "event_loss", "distill": "distill_loss",
+                     "ground": "ground_loss"}
             history.append({"step": step + 1, "s": round(time.perf_counter() - t0, 1)}
                            | {names[k]: round(v, 4) for k, v in running.items()})
             log.info("step %d %s (%.0f s)", step + 1, " ".join(f"{names[k]} {v:.4f}" for k, v in running.items()),
@@ -385,6 +492,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
                 history.append({"step": step + 1, "loss": round(running["lm"], 4), "s": round(time.perf_counter() - t0, 1)})
             history[-1]["f1_at_10s"] = round(quick, 4)
             log.info("step %d: caption F1 %.3f on 4 held-out 10-s videos", step + 1, quick)
+    net.set_attn_implementation("sdpa")   # what the saved checkpoint is loaded with by default
     net = net.to(torch.bfloat16)   # what is shipped is what is evaluated
     out_dir = Path(out) if out else WEIGHTS / model
     save(net, tokenizer, out_dir)
@@ -394,6 +502,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
               "aux_weight": aux_weight, "event_weight": event_weight, "stretch": stretch, "init": init,
               "teacher": teacher, "distill_weight": distill_weight if teacher else None,
               "rope_theta": net.config.text_config.rope_parameters["rope_theta"], "precision": precision,
+              "ground_weight": ground_weight, "ground_layer": ground_layer,
               "seconds": list(seconds), "warm_seconds": list(warm_seconds), "ramp": ramp, "train_s": round(time.perf_counter() - t0, 1), "history": history,
               f"f1_at_{eval_seconds:g}s": round(f1, 4), "eval_seeds": list(eval_seeds)}
     if init and (Path(init) / "training.json").is_file():   # keep the whole recipe: earlier stages first

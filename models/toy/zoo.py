@@ -30,11 +30,12 @@ SHAPES = {
 }
 
 
-# Rotary base. 10000 gives the toy's Qwen2.5-VL temporal section (the 8 highest of its 32
-# frequencies) a slowest period of 2*pi*10000**(7/32) = 47 temporal positions, i.e. 47 s of video:
-# order beyond that is aliased. Real Qwen2.5-VL (head 128, 16 temporal frequencies, base 1e6)
-# reaches 161; base 1e6 on the toy's head of 64 reaches 129. See train(rope_theta=...).
-ROPE_THETA = 10000.0
+# Rotary base, as in the real checkpoints (Qwen2.5-VL and LLaVA-OneVision's Qwen2: 1e6). With
+# 10000 (the zoo's first base) the toy Qwen2.5-VL's temporal section, the 8 highest of its 32
+# frequencies, has a slowest period of 2*pi*10000**(7/32) = 47 positions, i.e. 47 s of video, so
+# order is aliased beyond that; 1e6 gives 129 (real Qwen2.5-VL, head 128 with 16 temporal
+# frequencies: 160). A checkpoint keeps its own (the first zoo's LLaVA pair has 10000).
+ROPE_THETA = 1e6
 
 
 def zoo_config(name: str, rope_theta: float | None = None):

@@ -55,21 +55,21 @@ def test_training_goes_on_from_a_checkpoint_and_keeps_its_recipe(tmp_path):
     import pytest
     with pytest.raises(ValueError, match="is not a qwen-target checkpoint"):
         train("qwen-target", steps=1, init=str(first), progress=False)
-    with pytest.raises(ValueError, match="trained with 10000"):      # the rotary base belongs to the checkpoint
-        train("qwen-draft", steps=1, init=str(first), rope_theta=1e6, progress=False)
+    with pytest.raises(ValueError, match="trained with 1e\\+06"):    # the rotary base belongs to the checkpoint
+        train("qwen-draft", steps=1, init=str(first), rope_theta=1e4, progress=False)
 
 
 def test_the_rotary_base_is_a_zoo_option_for_both_families(tmp_path):
     from models.toy.zoo import ROPE_THETA
     for name in ("qwen-draft", "llava-draft"):
         assert zoo_config(name).text_config.rope_parameters["rope_theta"] == ROPE_THETA
-        assert zoo_config(name, rope_theta=1e6).text_config.rope_parameters["rope_theta"] == 1e6
+        assert zoo_config(name, rope_theta=5e5).text_config.rope_parameters["rope_theta"] == 5e5
     train("qwen-draft", steps=1, batch_size=1, seconds=(2, 2), warm_seconds=(2, 2), warmup=1, eval_seconds=2,
-          eval_videos=1, rope_theta=1e6, precision="fp32", out=str(tmp_path / "ck"), progress=False)
+          eval_videos=1, rope_theta=5e5, precision="fp32", out=str(tmp_path / "ck"), progress=False)
     loaded = load_model(str(tmp_path / "ck"), name="d").model.config.text_config
-    assert loaded.rope_parameters["rope_theta"] == 1e6
+    assert loaded.rope_parameters["rope_theta"] == 5e5
     saved = json.loads((tmp_path / "ck" / "training.json").read_text())
-    assert saved["rope_theta"] == 1e6 and saved["precision"] == "fp32"
+    assert saved["rope_theta"] == 5e5 and saved["precision"] == "fp32"
 
 
 def test_an_unknown_precision_is_refused_before_any_work():
@@ -113,6 +113,73 @@ def test_event_labels_mark_each_event_on_its_cell_in_the_step_that_first_shows_i
     assert len(marked) == 9
 
 
+def test_event_tokens_are_where_each_event_is_shown():
+    """Seed 3 at 2 fps, 2 frames a step: the first appearance in step 0 on its cell, a move on the
+    cell it leaves (step 11) and the one it reaches (step 12), the opening background on all 9."""
+    from models.toy import world as toy
+    from models.toy.train import event_tokens
+
+    w = toy.make_world(3, 30)
+    tokens = event_tokens(w, 2.0, 60, 2)
+    assert len(tokens) == len(w.truth.events) and tokens[0] == list(range(9))
+    first = w.cells[1]
+    assert tokens[1] == [first[1] * 3 + first[0]]
+    i = next(i for i, e in enumerate(w.truth.events) if e.kind == "move")
+    (c, r) = w.cells[i]                                        # where the left move ends
+    assert tokens[i] == [11 * 9 + r * 3 + c + 1, 12 * 9 + r * 3 + c]
+    assert event_tokens(w, 2.0, 20, 2)[i] == []                # 10 s of video: the move is not in it
+
+
+def test_grounding_marks_each_clauses_tokens_with_its_events_cells():
+    """The positions whose next token belongs to clause j look at event j's visual tokens; a
+    "what happened after" answer starts at the event after the named one; other answers mark nothing."""
+    from models.toy import world as toy
+    from models.toy.train import answer_events, event_tokens, grounding_mask
+
+    w = toy.make_world(3, 30)
+    truth, tokens = w.truth, event_tokens(w, 2.0, 60, 2)
+    assert answer_events(truth, toy.caption(truth)) == list(range(len(truth.events)))
+    assert answer_events(truth, toy.caption(toy.Truth(30.0, truth.events[3:]))) == list(range(3, len(truth.events)))
+    assert answer_events(truth, "red .") is None
+    answer_at, video_at, width = 300, 5, 400
+    mask = grounding_mask(truth, toy.caption(truth), tokens, answer_at, video_at, width)
+    first, second = (len(toy._clause(e).split()) for e in truth.events[:2])
+    assert mask[answer_at - 1].nonzero().flatten().tolist() == [video_at + t for t in tokens[0]]
+    assert mask[answer_at + first - 2].nonzero().flatten().tolist() == [video_at + t for t in tokens[0]]
+    assert mask[answer_at + first - 1].nonzero().flatten().tolist() == [video_at + t for t in tokens[1]]
+    assert mask[answer_at + first + second - 1].nonzero().flatten().tolist() == [video_at + t for t in tokens[2]]
+    assert not mask[: answer_at - 1].any()
+    assert not grounding_mask(truth, "red .", tokens, answer_at, video_at, width).any()
+
+
+def test_grounding_loss_is_small_only_where_the_head_looks_at_the_marked_tokens():
+    import torch
+
+    from models.toy.train import grounding_loss
+
+    mask = torch.zeros(1, 3, 3, dtype=torch.bool)
+    mask[0, 2, 0] = True                                       # only query 2 has a target: key 0
+    looks = torch.zeros(1, 2, 3, 3)
+    looks[0, 0, :, 0] = 1.0                                    # head 0 all on key 0
+    away = torch.zeros(1, 2, 3, 3)
+    away[0, 0, :, 1] = 1.0
+    away[0, 1, :, 0] = 1.0                                     # another head looking there does not count
+    assert grounding_loss(looks, mask).item() < 1e-6
+    assert grounding_loss(away, mask).item() > 10
+    assert grounding_loss(looks, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_grounded_training_runs_eager_and_saves_an_sdpa_checkpoint(tmp_path):
+    import pytest
+
+    result = train("qwen-draft", steps=2, batch_size=2, seconds=(4, 6), warm_seconds=(4, 6), warmup=1, eval_seconds=4,
+                   eval_videos=1, log_every=1, ground_weight=1.0, out=str(tmp_path / "ck"), progress=False)
+    assert result["ground_layer"] == 1 and all(np.isfinite(h["ground_loss"]) for h in result["history"])
+    assert load_model(str(tmp_path / "ck"), name="d").model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="layers 0..1"):
+        train("qwen-draft", steps=1, ground_weight=1.0, ground_layer=2, progress=False)
+
+
 def test_distillation_adds_the_teachers_kl_and_it_is_zero_against_itself(tmp_path):
     """A student equal to its teacher has KL 0 on every answer token; a different one does not."""
     import torch
@@ -124,7 +191,7 @@ def test_distillation_adds_the_teachers_kl_and_it_is_zero_against_itself(tmp_pat
     config, tok = zoo_config("qwen-draft"), build_tokenizer("qwen2_5_vl")
     net = AutoModelForImageTextToText.from_config(config).eval()
     batch = model_inputs(config, tok, [example(1_000_003, 4, 2.0, np.random.default_rng(0))], with_answers=True)
-    batch = {k: v for k, v in batch.items() if k not in ("cell_labels", "event_labels")}
+    batch = {k: v for k, v in batch.items() if k not in ("cell_labels", "event_labels", "ground_mask")}
     logits = net(**batch).logits
     assert abs(distill_loss(logits, net, batch).item()) < 1e-5
     other = AutoModelForImageTextToText.from_config(config).eval()
