@@ -20,7 +20,10 @@ from models.toy.zoo import FPS, zoo_config
 ARCHS = {"qwen2_5_vl": "qwen-draft", "llava_onevision": "llava-draft"}
 
 
-def random_checkpoint(path, zoo_name: str, seed: int = 0, **text_overrides):
+def random_checkpoint(path, zoo_name: str, seed: int = 0, never_stops: bool = False, **text_overrides):
+    """A randomly initialised zoo model saved like a trained one. `never_stops`: the end-of-turn
+    token's (tied) embedding row is zeroed, so its logit is 0 among large random ones and greedy
+    generation runs to its token budget: tests that count rounds need every token."""
     from transformers import AutoModelForImageTextToText
 
     torch.manual_seed(seed)
@@ -29,6 +32,10 @@ def random_checkpoint(path, zoo_name: str, seed: int = 0, **text_overrides):
     for k, v in text_overrides.items():
         setattr(config.text_config, k, v)
     model = AutoModelForImageTextToText.from_config(config)
+    if never_stops:
+        with torch.no_grad():
+            for table in (model.get_input_embeddings(), model.get_output_embeddings()):
+                table.weight[config.text_config.eos_token_id] = 0.0
     save(model, build_tokenizer(config.model_type), path)
     return path
 

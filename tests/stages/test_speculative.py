@@ -27,7 +27,7 @@ def pair(request, tmp_path_factory):
     """A random target and a random draft of the zoo's shapes (they disagree often), on a 12-s video."""
     arch = request.param
     d = tmp_path_factory.mktemp(arch)
-    target = random_checkpoint(d / "target", TARGET[arch], seed=1)
+    target = random_checkpoint(d / "target", TARGET[arch], seed=1, never_stops=True)   # every round counts
     draft = random_checkpoint(d / "draft", ARCHS[arch], seed=2)
     video = d / "toy.mp4"
     make_video(21, 12, 2, 84, video)
