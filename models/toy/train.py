@@ -405,8 +405,10 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
           seconds: tuple = (8, 32), warm_seconds: tuple = (2, 12), ramp: float = 0.5, seed: int = 0, eval_seconds: float = 30.0, eval_videos: int = 8,
           aux_weight: float = 1.0, event_weight: float = 0.0, stretch: float = 1.0, init: str | None = None,
           teacher: str | None = None, distill_weight: float = 1.0, rope_theta: float | None = None,
-          precision: str = "bf16", ground_weight: float = 0.0, ground_layer: int | None = None, log_every: int = 50, eval_every: int = 250, out: str | None = None, progress: bool | None = None) -> dict:
-    """Trains zoo model `model` and saves it under `out` (default models/toy/weights/<model>)."""
+          precision: str = "bf16", ground_weight: float = 0.0, ground_layer: int | None = None,
+          log_every: int = 50, eval_every: int = 250, out: str | None = None, progress: bool | None = None) -> dict:
+    """Trains zoo model `model` and saves it under `out` (default models/toy/weights/<model>).
+    The training-only parts are off here; conf/experiment/train_toy.yaml turns on the zoo's recipe."""
     from tqdm import tqdm
     from transformers import AutoModelForImageTextToText
 
