@@ -468,8 +468,8 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
                mininterval=5)
     running: dict[str, float] = {}
     for step, batch in bar:
-        # bf16 autocast: matmuls in bf16, weights and optimizer in fp32; measured on these 2 cores
-        # (AVX512-BF16), a target step on 8 videos of 32 s takes 1.25 s instead of 2.0 s
+        # bf16 autocast: matmuls in bf16, weights and optimizer in fp32; on these 2 cores (AVX512-BF16)
+        # target steps on 8 videos of 32 s run 1.7x faster (README, "bf16 autocast")
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             losses = step_losses(net, heads, batch, teacher_net, ground_layer)
         sum(weights[k] * v for k, v in losses.items()).backward()
