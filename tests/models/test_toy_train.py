@@ -191,7 +191,7 @@ def test_distillation_adds_the_teachers_kl_and_it_is_zero_against_itself(tmp_pat
     config, tok = zoo_config("qwen-draft"), build_tokenizer("qwen2_5_vl")
     net = AutoModelForImageTextToText.from_config(config).eval()
     batch = model_inputs(config, tok, [example(1_000_003, 4, 2.0, np.random.default_rng(0))], with_answers=True)
-    batch = {k: v for k, v in batch.items() if k not in ("cell_labels", "event_labels", "ground_mask")}
+    batch = {k: v for k, v in batch.items() if k not in ("cell_labels", "event_labels", "ground_mask", "chain_mask")}
     logits = net(**batch).logits
     assert abs(distill_loss(logits, net, batch).item()) < 1e-5
     other = AutoModelForImageTextToText.from_config(config).eval()
@@ -211,3 +211,71 @@ def test_stretch_spreads_half_the_qwen_examples_and_leaves_llava_alone():
     exs = [example(1_000_003, 4, 2.0), example(1_000_004, 4, 2.0)]
     batch = model_inputs(config, tok, exs, with_answers=False, stretch=[1.0, 2.5])
     assert batch["second_per_grid_ts"].tolist() == [1.0, 2.5]       # 2 frames at 2 fps = 1 s a patch
+
+
+def test_chain_marks_each_events_tokens_with_the_previous_events_before_them():
+    """Rows: the visual tokens showing event j >= 1; columns: those showing event j - 1 that come
+    before the row and do not show event j too. Nothing else has a target."""
+    from models.toy.train import chain_mask, event_tokens
+
+    w = toy.make_world(3, 30)
+    tokens, video_at = event_tokens(w, 2.0, 60, 2), 5
+    mask = chain_mask(tokens, video_at, 700)
+    appear = tokens[1][0]                      # event 1 appears in step 0, where the background (event 0) is on all 9
+    assert mask[video_at + appear].nonzero().flatten().tolist() == [video_at + i for i in range(appear)]
+    for j in range(2, len(tokens)):
+        for q in tokens[j]:
+            expected = [video_at + i for i in tokens[j - 1] if i < q and i not in tokens[j]]
+            assert mask[video_at + q].nonzero().flatten().tolist() == expected
+    rows = {video_at + q for ts in tokens[1:] for q in ts}
+    assert all(int(r) in rows for r in mask.any(-1).nonzero().flatten())
+
+
+def test_text_shift_moves_only_the_text_after_the_video_for_both_families():
+    """shift 0 gives the model's own positions (same logits as its forward without them); a shift
+    of s adds s to every position after the video and leaves the video and what precedes it."""
+    from transformers import AutoModelForImageTextToText
+
+    from models.toy.train import shifted_positions
+
+    torch.manual_seed(0)
+    for name in ("qwen-draft", "llava-draft"):
+        config = zoo_config(name)
+        tok, fps = build_tokenizer(config.model_type), 2.0 if config.model_type == "qwen2_5_vl" else 1.0
+        net = AutoModelForImageTextToText.from_config(config).eval()
+        batch = model_inputs(config, tok, [example(1_000_003, 4, fps), example(1_000_004, 4, fps)], with_answers=False)
+        own = shifted_positions(net, batch, torch.tensor([0, 0]))
+        with torch.no_grad():
+            assert torch.allclose(net(**batch).logits, net(**batch, position_ids=own).logits, atol=1e-5)
+        moved = shifted_positions(net, batch, torch.tensor([7, 0]))
+        video = config.video_token_id if config.model_type == "qwen2_5_vl" else config.video_token_index
+        after = int((batch["input_ids"][0] == video).nonzero().max()) + 1
+        diff = (moved - own)[..., 0, :] if moved.dim() == 3 else (moved - own)[0]
+        assert (diff[..., :after] == 0).all() and (diff[..., after:] == 7).all(), name
+        assert ((moved - own)[..., 1, :] == 0).all() if moved.dim() == 3 else ((moved - own)[1] == 0).all()
+
+
+def test_text_shift_leaves_half_the_examples_and_the_batch_carries_it():
+    rng = np.random.default_rng(0)
+    shifts = Batches("llava-draft", 400, (2, 4), 0, text_shift=50).shifts(rng)
+    zeros = sum(s == 0 for s in shifts)
+    assert 150 < zeros < 250 and all(0 <= s <= 50 for s in shifts) and max(shifts) > 45
+    assert Batches("qwen-draft", 4, (2, 4), 0).shifts(rng) is None
+    config, tok = zoo_config("qwen-draft"), build_tokenizer("qwen2_5_vl")
+    batch = model_inputs(config, tok, [example(1_000_003, 4, 2.0)], with_answers=True, shift=[3])
+    assert batch["text_shift"].tolist() == [3] and batch["chain_mask"].shape == batch["ground_mask"].shape
+
+
+def test_a_chained_shifted_run_logs_its_chain_loss_and_refuses_bad_settings(tmp_path):
+    import pytest
+
+    result = train("llava-draft", steps=2, batch_size=2, seconds=(4, 6), warm_seconds=(4, 6), warmup=1, eval_seconds=4,
+                   eval_videos=1, log_every=1, ground_weight=1.0, chain_weight=1.0, text_shift=20,
+                   out=str(tmp_path / "ck"), progress=False)
+    assert result["chain_layer"] == 1 and result["text_shift"] == 20
+    assert all(np.isfinite(h["chain_loss"]) for h in result["history"])
+    assert load_model(str(tmp_path / "ck"), name="d").model.config._attn_implementation == "sdpa"
+    with pytest.raises(ValueError, match="layers 0..1"):
+        train("qwen-draft", steps=1, chain_weight=1.0, chain_layer=5, progress=False)
+    with pytest.raises(ValueError, match="text_shift"):
+        train("qwen-draft", steps=1, text_shift=-1, progress=False)
