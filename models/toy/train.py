@@ -369,12 +369,13 @@ class Batches(torch.utils.data.IterableDataset):
 
 
 def step_losses(net, heads: dict, batch: dict, teacher=None, ground_layer: int | None = None,
-                chain_layer: int | None = None) -> dict[str, torch.Tensor]:
+                chain_layer: int | None = None, margin: float = 1.0) -> dict[str, torch.Tensor]:
     """{"lm": language-model loss, "cells": cell-content loss, "events": event loss, "distill":
     KL(teacher ‖ model) on the answer's positions, "ground": grounding loss, "chain": the chain
     loss}, each but the first only with its head, labels, teacher or layer (`ground_layer`,
     `chain_layer`: the layers whose first head is trained where to look; they need eager
-    attention, which returns the weights). A batch's `text_shift` moves its text's positions. The video is encoded once; the cell probe
+    attention, which returns the weights; `margin`: see grounding_loss). A batch's `text_shift`
+    moves its text's positions. The video is encoded once; the cell probe
     reads each visual token as it enters the language model, the event probe reads it at the middle
     layer; the same features go into the language model through `mm_encoder_outputs`."""
     batch = dict(batch)
@@ -388,8 +389,8 @@ def step_losses(net, heads: dict, batch: dict, teacher=None, ground_layer: int |
     chain = chain_layer is not None and chain_target is not None
 
     def looking(out) -> dict:
-        return (({"ground": grounding_loss(out.attentions[ground_layer], ground_mask)} if ground else {})
-                | ({"chain": grounding_loss(out.attentions[chain_layer], chain_target)} if chain else {}))
+        return (({"ground": grounding_loss(out.attentions[ground_layer], ground_mask, margin)} if ground else {})
+                | ({"chain": grounding_loss(out.attentions[chain_layer], chain_target, margin)} if chain else {}))
     if not heads or cells is None:
         out = net(**batch, output_attentions=ground or chain)
         losses = {"lm": out.loss} | ({"distill": distill_loss(out.logits, teacher, teacher_batch)} if teacher is not None else {})
@@ -426,13 +427,20 @@ def step_losses(net, heads: dict, batch: dict, teacher=None, ground_layer: int |
     return losses
 
 
-def grounding_loss(attention: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def grounding_loss(attention: torch.Tensor, mask: torch.Tensor, margin: float = 1.0) -> torch.Tensor:
     """-log of the attention mass the first head puts where `mask` says, averaged over the positions
-    that have a target (attention: [batch, heads, queries, keys]; mask: bool [batch, queries, keys])."""
+    that have a target (attention: [batch, heads, queries, keys]; mask: bool [batch, queries, keys]).
+    With `margin` m > 1 the mass is that of the head's attention logits divided by m (the weights
+    raised to 1/m, renormalised): it takes logit gaps m times those that suffice here, so that the
+    head still finds its event among the more events of a longer video."""
     has_target = mask.any(-1)
     if not has_target.any():
         return attention.sum() * 0.0
-    mass = (attention[:, 0].float() * mask).sum(-1)[has_target]
+    weights = attention[:, 0].float()
+    if margin != 1.0:
+        weights = torch.where(weights > 0, weights.clamp_min(1e-30) ** (1.0 / margin), 0.0)
+        weights = weights / weights.sum(-1, keepdim=True)
+    mass = (weights * mask).sum(-1)[has_target]
     return -torch.log(mass.clamp_min(1e-6)).mean()
 
 
@@ -471,7 +479,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
           aux_weight: float = 1.0, event_weight: float = 0.0, stretch: float = 1.0, init: str | None = None,
           teacher: str | None = None, distill_weight: float = 1.0, rope_theta: float | None = None,
           precision: str = "bf16", ground_weight: float = 0.0, ground_layer: int | None = None,
-          chain_weight: float = 0.0, chain_layer: int | None = None, text_shift: int = 0,
+          chain_weight: float = 0.0, chain_layer: int | None = None, text_shift: int = 0, ground_margin: float = 1.0,
           log_every: int = 50, eval_every: int = 250, out: str | None = None, progress: bool | None = None) -> dict:
     """Trains zoo model `model` and saves it under `out` (default models/toy/weights/<model>).
     The training-only parts are off here; conf/experiment/train_toy.yaml turns on the zoo's recipe."""
@@ -501,6 +509,8 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
     chain_layer = _looking_layer("chain_layer", chain_layer, layers // 2, chain_weight, model, layers)
     if ground_layer is not None or chain_layer is not None:
         net.set_attn_implementation("eager")   # these losses read attention weights, which only eager returns
+    if not ground_margin >= 1.0:
+        raise ValueError(f"ground_margin={ground_margin}: >= 1 (1: the plain attention mass)")
     if text_shift < 0:
         raise ValueError(f"text_shift={text_shift}: the most positions the text may be moved on, >= 0")
     n_params = sum(p.numel() for p in net.parameters())
@@ -537,7 +547,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
         # bf16 autocast: matmuls in bf16, weights and optimizer in fp32; on these 2 cores (AVX512-BF16)
         # target steps on 8 videos of 32 s run 1.7x faster (README, "bf16 autocast")
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            losses = step_losses(net, heads, batch, teacher_net, ground_layer, chain_layer)
+            losses = step_losses(net, heads, batch, teacher_net, ground_layer, chain_layer, ground_margin)
         sum(weights[k] * v for k, v in losses.items()).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -572,6 +582,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
               "rope_theta": net.config.text_config.rope_parameters["rope_theta"], "precision": precision,
               "ground_weight": ground_weight, "ground_layer": ground_layer,
               "chain_weight": chain_weight, "chain_layer": chain_layer, "text_shift": text_shift,
+              "ground_margin": ground_margin,
               "seconds": list(seconds), "warm_seconds": list(warm_seconds), "ramp": ramp, "train_s": round(time.perf_counter() - t0, 1), "history": history,
               f"f1_at_{eval_seconds:g}s": round(f1, 4), "eval_seeds": list(eval_seeds)}
     if init and (Path(init) / "training.json").is_file():   # keep the whole recipe: earlier stages first

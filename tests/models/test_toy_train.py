@@ -169,6 +169,22 @@ def test_grounding_loss_is_small_only_where_the_head_looks_at_the_marked_tokens(
     assert grounding_loss(looks, torch.zeros_like(mask)).item() == 0.0
 
 
+def test_a_margin_asks_for_larger_logit_gaps():
+    """margin m: the loss of the head's logits divided by m, so a gap that gives the target most of
+    the mass at m = 1 costs more at m = 2, and a head that looks nowhere else costs nothing either way."""
+    import torch
+
+    from models.toy.train import grounding_loss
+
+    logits = torch.tensor([3.0, 0.0, 0.0, 0.0])
+    mask = torch.tensor([[[True, False, False, False]]])
+    weights = torch.softmax(logits, -1).view(1, 1, 1, 4)
+    assert abs(grounding_loss(weights, mask).item() + torch.log_softmax(logits, -1)[0].item()) < 1e-5
+    assert abs(grounding_loss(weights, mask, 2.0).item() + torch.log_softmax(logits / 2, -1)[0].item()) < 1e-5
+    certain = torch.tensor([1.0, 0.0, 0.0, 0.0]).view(1, 1, 1, 4)
+    assert grounding_loss(certain, mask, 2.0).item() < 1e-6
+
+
 def test_grounded_training_runs_eager_and_saves_an_sdpa_checkpoint(tmp_path):
     import pytest
 
@@ -279,3 +295,5 @@ def test_a_chained_shifted_run_logs_its_chain_loss_and_refuses_bad_settings(tmp_
         train("qwen-draft", steps=1, chain_weight=1.0, chain_layer=5, progress=False)
     with pytest.raises(ValueError, match="text_shift"):
         train("qwen-draft", steps=1, text_shift=-1, progress=False)
+    with pytest.raises(ValueError, match="ground_margin"):
+        train("qwen-draft", steps=1, ground_margin=0.5, progress=False)
