@@ -41,6 +41,7 @@ from models.toy.zoo import FPS, FRAME_SIZE, SHAPES, zoo_config
 log = logging.getLogger("reelflow.train")
 
 TRAIN_SEED0 = 1_000_000       # training worlds use seeds >= this; evaluation uses seeds below
+MAX_CLAUSES = 64              # more than any training answer states (a 32-s video has ~12 events)
 WEIGHTS = Path(__file__).parent / "weights"
 
 
@@ -216,15 +217,16 @@ def grounding_mask(truth: toy.Truth, answer: str, tokens: list[list[int]], answe
 
 
 def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bool,
-                 stretch: list[float] | None = None, shift: list[int] | None = None) -> dict:
+                 stretch: list[float] | None = None, moves: list[tuple[int, list[int]]] | None = None) -> dict:
     """The batch as the transformers model's forward takes it: right-padded ids, the video's
     pixels, and (with answers) labels that score only the answer and its <|im_end|>, plus the
     training-only per-token targets. `stretch` (Qwen2.5-VL, training only): per example, a factor
     on the seconds each temporal patch spans, which spreads the video's temporal positions over a
-    longer range (see Batches); `shift` (training only): per example, how far its text after the
-    video is moved on (see chain_mask)."""
+    longer range (see Batches); `moves` (training only): per example, how far the positions of its
+    text after the video move on, and how much further after each clause of its answer (see
+    chain_mask); the batch's `position_offset` [batch, seq] carries them to step_losses."""
     arch = config.model_type
-    rows, labels, pixels, grids, cells, events, grounds, chains = [], [], [], [], [], [], [], []
+    rows, labels, pixels, grids, cells, events, grounds, chains, afters = [], [], [], [], [], [], [], [], []
     for ex in examples:
         if with_answers and ex.world is not None:
             step = config.vision_config.temporal_patch_size if arch == "qwen2_5_vl" else 1
@@ -244,6 +246,7 @@ def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bo
             tokens = event_tokens(ex.world, FPS[arch], ex.frames.shape[0], step)
             grounds.append((ex.truth, ex.answer, tokens, len(ids), video_at))
             chains.append((tokens, video_at))
+        afters.append((video_at + n_video, len(ids)))
         target = []
         if with_answers:
             target = tokenizer(ex.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
@@ -261,8 +264,11 @@ def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bo
             batch["event_labels"] = torch.cat(events)
             batch["ground_mask"] = torch.stack([grounding_mask(*g, width) for g in grounds])
             batch["chain_mask"] = torch.stack([chain_mask(*c, width) for c in chains])
-    if shift is not None:
-        batch["text_shift"] = torch.tensor(shift)
+    if moves is not None:
+        dot = tokenizer.convert_tokens_to_ids(".")
+        batch["position_offset"] = torch.tensor([
+            position_offsets(row, after, answer_at, dot, shift, gaps) + [0] * (width - len(row))
+            for row, (after, answer_at), (shift, gaps) in zip(rows, afters, moves)])
     if arch == "qwen2_5_vl":
         batch["pixel_values_videos"] = torch.cat(pixels)
         batch["video_grid_thw"] = torch.tensor(grids)
@@ -300,15 +306,25 @@ def chain_mask(tokens: list[list[int]], video_at: int, width: int) -> torch.Tens
     return mask
 
 
-def shifted_positions(net, batch: dict, shift: torch.Tensor) -> torch.Tensor:
-    """The positions the model would give `batch`, with every token after the video moved on by
-    `shift` [batch] (Qwen2.5-VL: its 3-D MRoPE ids [3, batch, seq]; LLaVA: 1-D ids [batch, seq])."""
+def position_offsets(row: list[int], after_video: int, answer_at: int, dot: int, shift: int,
+                     gaps: list[int]) -> list[int]:
+    """Per token of `row`, what to add to its position: `shift` from `after_video` on, and from the
+    answer (at `answer_at`) on, gaps[k] more after its k-th clause (the k-th `dot`) and later."""
+    out = [0] * after_video + [shift] * (len(row) - after_video)
+    extra, clause = 0, 0
+    for i in range(answer_at, len(row)):
+        out[i] += extra
+        if row[i] == dot and clause < len(gaps):
+            extra += gaps[clause]
+            clause += 1
+    return out
+
+
+def shifted_positions(net, batch: dict, add: torch.Tensor) -> torch.Tensor:
+    """The positions the model would give `batch`, plus `add` [batch, seq] (Qwen2.5-VL: its 3-D
+    MRoPE ids [3, batch, seq], the same added to all three; LLaVA: 1-D ids [batch, seq])."""
     ids, attention = batch["input_ids"], batch["attention_mask"]
     qwen = net.config.model_type == "qwen2_5_vl"
-    is_video = ids == (net.config.video_token_id if qwen else net.config.video_token_index)
-    where = torch.arange(ids.shape[1])
-    last_video = (is_video.long() * where).max(1).values
-    add = (where[None] > last_video[:, None]).long() * shift[:, None]
     if qwen:
         positions, _ = net.model.get_rope_index(ids, batch["mm_token_type_ids"], video_grid_thw=batch["video_grid_thw"],
                                                 second_per_grid_ts=batch["second_per_grid_ts"], attention_mask=attention)
@@ -321,10 +337,10 @@ class Batches(torch.utils.data.IterableDataset):
 
     def __init__(self, name: str, batch_size: int, seconds: tuple[float, float], seed: int,
                  warm_seconds: tuple[float, float] | None = None, ramp_batches: int = 0, stretch: float = 1.0,
-                 text_shift: int = 0):
+                 text_shift: int = 0, clause_gap: int = 0):
         self.name, self.batch_size, self.seconds, self.seed = name, batch_size, seconds, seed
         self.warm_seconds, self.ramp_batches, self.stretch = warm_seconds or seconds, ramp_batches, stretch
-        self.text_shift = text_shift
+        self.text_shift, self.clause_gap = text_shift, clause_gap
 
     def stretches(self, rng: np.random.Generator) -> list[float] | None:
         """Per example, the factor on its temporal position spacing: 1 for half the examples, else
@@ -337,12 +353,21 @@ class Batches(torch.utils.data.IterableDataset):
             return None
         return [1.0 if rng.random() < 0.5 else float(rng.uniform(1.0, self.stretch)) for _ in range(self.batch_size)]
 
-    def shifts(self, rng: np.random.Generator) -> list[int] | None:
-        """Per example, how far its text after the video is moved on (chain_mask says why): 0 for
-        half the examples, else uniform in 1..text_shift."""
-        if self.text_shift <= 0:
+    def moves(self, rng: np.random.Generator) -> list[tuple[int, list[int]]] | None:
+        """Per example, how far its text's positions move on (chain_mask says why): nothing for half
+        the examples; for the others a shift uniform in 1..text_shift after the video and a jump
+        uniform in 0..clause_gap after each clause of the answer, so that neither the distance to
+        the video nor the one to the answer's start says how many events have been stated."""
+        if self.text_shift <= 0 and self.clause_gap <= 0:
             return None
-        return [0 if rng.random() < 0.5 else int(rng.integers(1, self.text_shift + 1)) for _ in range(self.batch_size)]
+        out = []
+        for _ in range(self.batch_size):
+            if rng.random() < 0.5:
+                out.append((0, []))
+            else:
+                shift = int(rng.integers(1, self.text_shift + 1)) if self.text_shift > 0 else 0
+                out.append((shift, rng.integers(0, self.clause_gap + 1, MAX_CLAUSES).tolist()))
+        return out
 
     def lengths(self, batch: int) -> tuple[float, float]:
         """The video-length range for batch number `batch`: a curriculum from `warm_seconds`
@@ -365,7 +390,7 @@ class Batches(torch.utils.data.IterableDataset):
             seconds = float(rng.integers(round(low), round(high) + 1))
             seeds = TRAIN_SEED0 + rng.integers(0, 1 << 40, self.batch_size)
             yield model_inputs(config, tokenizer, [example(int(s), seconds, fps, rng) for s in seeds], with_answers=True,
-                               stretch=self.stretches(rng), shift=self.shifts(rng))
+                               stretch=self.stretches(rng), moves=self.moves(rng))
 
 
 def step_losses(net, heads: dict, batch: dict, teacher=None, ground_layer: int | None = None,
@@ -374,17 +399,17 @@ def step_losses(net, heads: dict, batch: dict, teacher=None, ground_layer: int |
     KL(teacher ‖ model) on the answer's positions, "ground": grounding loss, "chain": the chain
     loss}, each but the first only with its head, labels, teacher or layer (`ground_layer`,
     `chain_layer`: the layers whose first head is trained where to look; they need eager
-    attention, which returns the weights; `margin`: see grounding_loss). A batch's `text_shift`
-    moves its text's positions. The video is encoded once; the cell probe
+    attention, which returns the weights; `margin`: see grounding_loss). A batch's
+    `position_offset` moves its text's positions. The video is encoded once; the cell probe
     reads each visual token as it enters the language model, the event probe reads it at the middle
     layer; the same features go into the language model through `mm_encoder_outputs`."""
     batch = dict(batch)
     cells, events = batch.pop("cell_labels", None), batch.pop("event_labels", None)
     ground_mask, chain_target = batch.pop("ground_mask", None), batch.pop("chain_mask", None)
-    shift = batch.pop("text_shift", None)
+    offset = batch.pop("position_offset", None)
     teacher_batch = dict(batch)            # the teacher sees the positions it would at inference
-    if shift is not None and bool(shift.any()):
-        batch["position_ids"] = shifted_positions(net, batch, shift)
+    if offset is not None and bool(offset.any()):
+        batch["position_ids"] = shifted_positions(net, batch, offset)
     ground = ground_layer is not None and ground_mask is not None
     chain = chain_layer is not None and chain_target is not None
 
@@ -479,7 +504,8 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
           aux_weight: float = 1.0, event_weight: float = 0.0, stretch: float = 1.0, init: str | None = None,
           teacher: str | None = None, distill_weight: float = 1.0, rope_theta: float | None = None,
           precision: str = "bf16", ground_weight: float = 0.0, ground_layer: int | None = None,
-          chain_weight: float = 0.0, chain_layer: int | None = None, text_shift: int = 0, ground_margin: float = 1.0,
+          chain_weight: float = 0.0, chain_layer: int | None = None, text_shift: int = 0, clause_gap: int = 0,
+          ground_margin: float = 1.0,
           log_every: int = 50, eval_every: int = 250, out: str | None = None, progress: bool | None = None) -> dict:
     """Trains zoo model `model` and saves it under `out` (default models/toy/weights/<model>).
     The training-only parts are off here; conf/experiment/train_toy.yaml turns on the zoo's recipe."""
@@ -511,8 +537,9 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
         net.set_attn_implementation("eager")   # these losses read attention weights, which only eager returns
     if not ground_margin >= 1.0:
         raise ValueError(f"ground_margin={ground_margin}: >= 1 (1: the plain attention mass)")
-    if text_shift < 0:
-        raise ValueError(f"text_shift={text_shift}: the most positions the text may be moved on, >= 0")
+    if text_shift < 0 or clause_gap < 0:
+        raise ValueError(f"text_shift={text_shift}, clause_gap={clause_gap}: the most positions the text "
+                         "may move on, each >= 0")
     n_params = sum(p.numel() for p in net.parameters())
     log.info("training %s: %s, %.2f M parameters, %d steps of %d videos of %s s", model,
              type(net).__name__, n_params / 1e6, steps, batch_size, seconds)
@@ -536,7 +563,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
     loader = torch.utils.data.DataLoader(Batches(model, batch_size, tuple(seconds), seed, tuple(warm_seconds),
-                                                 int(ramp * steps), stretch, text_shift), batch_size=None,
+                                                 int(ramp * steps), stretch, text_shift, clause_gap), batch_size=None,
                                          num_workers=1, prefetch_factor=4, persistent_workers=False)
     history, t0 = [], time.perf_counter()
     net.train()
@@ -582,7 +609,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
               "rope_theta": net.config.text_config.rope_parameters["rope_theta"], "precision": precision,
               "ground_weight": ground_weight, "ground_layer": ground_layer,
               "chain_weight": chain_weight, "chain_layer": chain_layer, "text_shift": text_shift,
-              "ground_margin": ground_margin,
+              "clause_gap": clause_gap, "ground_margin": ground_margin,
               "seconds": list(seconds), "warm_seconds": list(warm_seconds), "ramp": ramp, "train_s": round(time.perf_counter() - t0, 1), "history": history,
               f"f1_at_{eval_seconds:g}s": round(f1, 4), "eval_seeds": list(eval_seeds)}
     if init and (Path(init) / "training.json").is_file():   # keep the whole recipe: earlier stages first

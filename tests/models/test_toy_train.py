@@ -248,7 +248,7 @@ def test_chain_marks_each_events_tokens_with_the_previous_events_before_them():
 
 
 def test_text_shift_moves_only_the_text_after_the_video_for_both_families():
-    """shift 0 gives the model's own positions (same logits as its forward without them); a shift
+    """No offset gives the model's own positions (same logits as its forward without them); a shift
     of s adds s to every position after the video and leaves the video and what precedes it."""
     from transformers import AutoModelForImageTextToText
 
@@ -259,36 +259,56 @@ def test_text_shift_moves_only_the_text_after_the_video_for_both_families():
         config = zoo_config(name)
         tok, fps = build_tokenizer(config.model_type), 2.0 if config.model_type == "qwen2_5_vl" else 1.0
         net = AutoModelForImageTextToText.from_config(config).eval()
-        batch = model_inputs(config, tok, [example(1_000_003, 4, fps), example(1_000_004, 4, fps)], with_answers=False)
-        own = shifted_positions(net, batch, torch.tensor([0, 0]))
+        exs = [example(1_000_003, 4, fps), example(1_000_004, 4, fps)]
+        batch = model_inputs(config, tok, exs, with_answers=True, moves=[(7, []), (0, [])])
+        offset = batch.pop("position_offset")
+        plain = {k: v for k, v in batch.items() if k not in ("labels", "cell_labels", "event_labels", "ground_mask", "chain_mask")}
+        own = shifted_positions(net, plain, torch.zeros_like(offset))
         with torch.no_grad():
-            assert torch.allclose(net(**batch).logits, net(**batch, position_ids=own).logits, atol=1e-5)
-        moved = shifted_positions(net, batch, torch.tensor([7, 0]))
+            assert torch.allclose(net(**plain).logits, net(**plain, position_ids=own).logits, atol=1e-5)
+        moved = shifted_positions(net, plain, offset)
         video = config.video_token_id if config.model_type == "qwen2_5_vl" else config.video_token_index
         after = int((batch["input_ids"][0] == video).nonzero().max()) + 1
-        diff = (moved - own)[..., 0, :] if moved.dim() == 3 else (moved - own)[0]
-        assert (diff[..., :after] == 0).all() and (diff[..., after:] == 7).all(), name
-        assert ((moved - own)[..., 1, :] == 0).all() if moved.dim() == 3 else ((moved - own)[1] == 0).all()
+        diff = moved - own
+        first, second = (diff[:, 0], diff[:, 1]) if diff.dim() == 3 else (diff[0], diff[1])
+        assert (first[..., :after] == 0).all() and (first[..., after:] == 7).all(), name
+        assert (second == 0).all()
 
 
-def test_text_shift_leaves_half_the_examples_and_the_batch_carries_it():
+def test_clause_gaps_move_each_clause_on_from_the_previous():
+    """position_offsets: the shift from the video's end, and after the k-th "." of the answer the
+    sum of the first k gaps more; gaps beyond the answer's clauses are unused."""
+    from models.toy.train import position_offsets
+
+    DOT = 9
+    row = [1, 2, 3, 4, 5, 6, 9, 7, 8, 9, 0]        # video ends at 3, answer from 5: "6 . 7 8 . <end>"
+    assert position_offsets(row, 3, 5, DOT, 10, [2, 5, 100]) == [0, 0, 0, 10, 10, 10, 10, 12, 12, 12, 17]
+    assert position_offsets(row, 3, 5, DOT, 0, []) == [0] * 3 + [0] * 8
+
+
+def test_text_moves_leave_half_the_examples_and_the_batch_carries_them():
     rng = np.random.default_rng(0)
-    shifts = Batches("llava-draft", 400, (2, 4), 0, text_shift=50).shifts(rng)
-    zeros = sum(s == 0 for s in shifts)
-    assert 150 < zeros < 250 and all(0 <= s <= 50 for s in shifts) and max(shifts) > 45
-    assert Batches("qwen-draft", 4, (2, 4), 0).shifts(rng) is None
+    moves = Batches("llava-draft", 400, (2, 4), 0, text_shift=50, clause_gap=8).moves(rng)
+    shifts = [m[0] for m in moves]
+    assert 150 < shifts.count(0) < 250 and all(0 <= s <= 50 for s in shifts) and max(shifts) > 45
+    assert all(m[1] == [] for m in moves if m[0] == 0)
+    assert all(0 <= g <= 8 for m in moves for g in m[1]) and max(g for m in moves for g in m[1]) == 8
+    assert Batches("qwen-draft", 4, (2, 4), 0).moves(rng) is None
     config, tok = zoo_config("qwen-draft"), build_tokenizer("qwen2_5_vl")
-    batch = model_inputs(config, tok, [example(1_000_003, 4, 2.0)], with_answers=True, shift=[3])
-    assert batch["text_shift"].tolist() == [3] and batch["chain_mask"].shape == batch["ground_mask"].shape
+    batch = model_inputs(config, tok, [example(1_000_003, 4, 2.0)], with_answers=True, moves=[(3, [1] * 64)])
+    answer = (batch["labels"][0] != -100).nonzero().flatten()
+    dots = int((batch["input_ids"][0, answer] == tok.convert_tokens_to_ids(".")).sum())
+    assert int(batch["position_offset"][0, answer[-1]]) == 3 + dots        # the <|im_end|> after the last clause
+    assert batch["chain_mask"].shape == batch["ground_mask"].shape
 
 
 def test_a_chained_shifted_run_logs_its_chain_loss_and_refuses_bad_settings(tmp_path):
     import pytest
 
     result = train("llava-draft", steps=2, batch_size=2, seconds=(4, 6), warm_seconds=(4, 6), warmup=1, eval_seconds=4,
-                   eval_videos=1, log_every=1, ground_weight=1.0, chain_weight=1.0, text_shift=20,
-                   out=str(tmp_path / "ck"), progress=False)
-    assert result["chain_layer"] == 1 and result["text_shift"] == 20
+                   eval_videos=1, log_every=1, ground_weight=1.0, chain_weight=1.0, text_shift=20, clause_gap=4,
+                   ground_margin=2.0, out=str(tmp_path / "ck"), progress=False)
+    assert result["chain_layer"] == 1 and (result["text_shift"], result["clause_gap"], result["ground_margin"]) == (20, 4, 2.0)
     assert all(np.isfinite(h["chain_loss"]) for h in result["history"])
     assert load_model(str(tmp_path / "ck"), name="d").model.config._attn_implementation == "sdpa"
     with pytest.raises(ValueError, match="layers 0..1"):
