@@ -154,11 +154,14 @@ def event_labels(world: toy.World, fps: float, n_frames: int, frames_per_token: 
 # j, the head should put its attention on the visual tokens that show event j (temporal grounding,
 # the kind of data real Video-LLMs are trained on).
 
-def event_tokens(world: toy.World, fps: float, n_frames: int, frames_per_token: int) -> list[list[int]]:
+def event_tokens(world: toy.World, fps: float, n_frames: int, frames_per_token: int, *,
+                 before: bool = False) -> list[list[int]]:
     """For each event of the world's truth (in order), the indices among the video's visual tokens
     (row-major cells of each temporal step) that show it: the object's cell in the step of the
     first frame showing the event (for a move, the cell it leaves and, when the glide ends, the
-    cell it reaches); every cell for a background change. Empty when it falls after the last step."""
+    cell it reaches); every cell for a background change. Empty when it falls after the last step.
+    `before`: for a disappearance, recolor or size change, also the cell one step earlier, which
+    still shows the object as the clause names it (the step of the change shows it gone or changed)."""
     steps = math.ceil(n_frames / frames_per_token)
     cells_per_step = toy.GRID * toy.GRID
 
@@ -181,7 +184,9 @@ def event_tokens(world: toy.World, fps: float, n_frames: int, frames_per_token: 
             out.append(at(e.time, where[e.obj]) + at(e.time + toy.MOVE_S, cell))
             where[e.obj] = cell
         else:
-            out.append(at(e.time, where[e.obj]))
+            shown = at(e.time, where[e.obj])
+            earlier = [i - cells_per_step for i in shown if i >= cells_per_step] if before else []
+            out.append(earlier + shown)
             if e.kind == "disappear":
                 del where[e.obj]
     return out
@@ -217,14 +222,16 @@ def grounding_mask(truth: toy.Truth, answer: str, tokens: list[list[int]], answe
 
 
 def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bool,
-                 stretch: list[float] | None = None, moves: list[tuple[int, list[int]]] | None = None) -> dict:
+                 stretch: list[float] | None = None, moves: list[tuple[int, list[int]]] | None = None,
+                 ground_before: bool = False) -> dict:
     """The batch as the transformers model's forward takes it: right-padded ids, the video's
     pixels, and (with answers) labels that score only the answer and its <|im_end|>, plus the
     training-only per-token targets. `stretch` (Qwen2.5-VL, training only): per example, a factor
     on the seconds each temporal patch spans, which spreads the video's temporal positions over a
     longer range (see Batches); `moves` (training only): per example, how far the positions of its
     text after the video move on, and how much further after each clause of its answer (see
-    chain_mask); the batch's `position_offset` [batch, seq] carries them to step_losses."""
+    chain_mask); the batch's `position_offset` [batch, seq] carries them to step_losses.
+    `ground_before`: the grounding targets include the step before a change (event_tokens)."""
     arch = config.model_type
     rows, labels, pixels, grids, cells, events, grounds, chains, afters = [], [], [], [], [], [], [], [], []
     for ex in examples:
@@ -244,7 +251,8 @@ def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bo
         ids, video_at = video_prompt_ids(tokenizer, ex.prompt, placeholder, n_video)
         if with_answers and ex.world is not None:
             tokens = event_tokens(ex.world, FPS[arch], ex.frames.shape[0], step)
-            grounds.append((ex.truth, ex.answer, tokens, len(ids), video_at))
+            shown = event_tokens(ex.world, FPS[arch], ex.frames.shape[0], step, before=True) if ground_before else tokens
+            grounds.append((ex.truth, ex.answer, shown, len(ids), video_at))
             chains.append((tokens, video_at))
         afters.append((video_at + n_video, len(ids)))
         target = []
@@ -337,10 +345,10 @@ class Batches(torch.utils.data.IterableDataset):
 
     def __init__(self, name: str, batch_size: int, seconds: tuple[float, float], seed: int,
                  warm_seconds: tuple[float, float] | None = None, ramp_batches: int = 0, stretch: float = 1.0,
-                 text_shift: int = 0, clause_gap: int = 0):
+                 text_shift: int = 0, clause_gap: int = 0, ground_before: bool = False):
         self.name, self.batch_size, self.seconds, self.seed = name, batch_size, seconds, seed
         self.warm_seconds, self.ramp_batches, self.stretch = warm_seconds or seconds, ramp_batches, stretch
-        self.text_shift, self.clause_gap = text_shift, clause_gap
+        self.text_shift, self.clause_gap, self.ground_before = text_shift, clause_gap, ground_before
 
     def stretches(self, rng: np.random.Generator) -> list[float] | None:
         """Per example, the factor on its temporal position spacing: 1 for half the examples, else
@@ -390,7 +398,7 @@ class Batches(torch.utils.data.IterableDataset):
             seconds = float(rng.integers(round(low), round(high) + 1))
             seeds = TRAIN_SEED0 + rng.integers(0, 1 << 40, self.batch_size)
             yield model_inputs(config, tokenizer, [example(int(s), seconds, fps, rng) for s in seeds], with_answers=True,
-                               stretch=self.stretches(rng), moves=self.moves(rng))
+                               stretch=self.stretches(rng), moves=self.moves(rng), ground_before=self.ground_before)
 
 
 def step_losses(net, heads: dict, batch: dict, teacher=None, ground_layer: int | None = None,
@@ -505,7 +513,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
           teacher: str | None = None, distill_weight: float = 1.0, rope_theta: float | None = None,
           precision: str = "bf16", ground_weight: float = 0.0, ground_layer: int | None = None,
           chain_weight: float = 0.0, chain_layer: int | None = None, text_shift: int = 0, clause_gap: int = 0,
-          ground_margin: float = 1.0,
+          ground_margin: float = 1.0, ground_before: bool = False,
           log_every: int = 50, eval_every: int = 250, out: str | None = None, progress: bool | None = None) -> dict:
     """Trains zoo model `model` and saves it under `out` (default models/toy/weights/<model>).
     The training-only parts are off here; conf/experiment/train_toy.yaml turns on the zoo's recipe."""
@@ -563,7 +571,8 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
     loader = torch.utils.data.DataLoader(Batches(model, batch_size, tuple(seconds), seed, tuple(warm_seconds),
-                                                 int(ramp * steps), stretch, text_shift, clause_gap), batch_size=None,
+                                                 int(ramp * steps), stretch, text_shift, clause_gap, ground_before),
+                                         batch_size=None,
                                          num_workers=1, prefetch_factor=4, persistent_workers=False)
     history, t0 = [], time.perf_counter()
     net.train()
@@ -609,7 +618,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
               "rope_theta": net.config.text_config.rope_parameters["rope_theta"], "precision": precision,
               "ground_weight": ground_weight, "ground_layer": ground_layer,
               "chain_weight": chain_weight, "chain_layer": chain_layer, "text_shift": text_shift,
-              "clause_gap": clause_gap, "ground_margin": ground_margin,
+              "clause_gap": clause_gap, "ground_margin": ground_margin, "ground_before": ground_before,
               "seconds": list(seconds), "warm_seconds": list(warm_seconds), "ramp": ramp, "train_s": round(time.perf_counter() - t0, 1), "history": history,
               f"f1_at_{eval_seconds:g}s": round(f1, 4), "eval_seeds": list(eval_seeds)}
     if init and (Path(init) / "training.json").is_file():   # keep the whole recipe: earlier stages first

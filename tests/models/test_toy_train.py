@@ -128,6 +128,12 @@ def test_event_tokens_are_where_each_event_is_shown():
     (c, r) = w.cells[i]                                        # where the left move ends
     assert tokens[i] == [11 * 9 + r * 3 + c + 1, 12 * 9 + r * 3 + c]
     assert event_tokens(w, 2.0, 20, 2)[i] == []                # 10 s of video: the move is not in it
+    earlier = event_tokens(w, 2.0, 60, 2, before=True)     # a change: also its cell one step before
+    for j, e in enumerate(w.truth.events):
+        if e.kind in ("disappear", "recolor", "grow", "shrink"):
+            assert earlier[j] == [tokens[j][0] - 9] + tokens[j]
+        else:
+            assert earlier[j] == tokens[j]
 
 
 def test_grounding_marks_each_clauses_tokens_with_its_events_cells():
