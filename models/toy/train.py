@@ -288,17 +288,17 @@ def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bo
     return batch
 
 
-# Keeping its place (the fourth training-only target, `chain_weight`, with `text_shift`): trained on
-# videos of <= 32 s, the target states <= ~12 events per answer, and on 120-s videos its grounding
-# head follows events 0-12 and then looks ever further ahead of the event it should state (a
-# session measurement: attention mass on the right event 0.9 for the first clauses, 0 from the
-# 17th). It finds event j from where the text is, a distance that only holds for the lengths it
-# was trained on. What holds at any length is content: event j is the one that follows the event
-# just stated. So one head of a middle layer is told to look, from the tokens showing event j, at
-# the tokens showing event j - 1 (a few steps back: a short relative distance, the same in any
-# video), which can put "what came before me" into event j's tokens, where the text's query (the
-# clause it just wrote) can find it; and the text's positions are shifted by a random amount, so
-# that the distance from the text to the video says nothing about which event is next.
+# Keeping its place (the fourth training-only target, `chain_weight`, with `text_shift`, `clause_gap`
+# and `ground_margin`): trained on videos of <= 32 s, the target states <= ~12 events per answer, and
+# on 120-s videos its grounding head followed the first events and then looked ever further ahead
+# of the event it should state (`python -m models.toy.grounding`: mass on the right event 0.65 over
+# clauses 1-12, 0.03 from the 13th). It found event j from where the text is, a distance that only
+# holds for the lengths it was trained on. What holds at any length is content: event j is the one
+# that follows the event just stated. So one head of a middle layer is told to look, from the tokens
+# showing event j, at the tokens showing event j - 1 (a few steps back: a short relative distance,
+# the same in any video), which can put "what came before me" into event j's tokens, where the
+# text's query (the clause it just wrote) can find it; and the text's positions are moved on at
+# random (after the video, and after each clause), so that no distance says which event is next.
 
 def chain_mask(tokens: list[list[int]], video_at: int, width: int) -> torch.Tensor:
     """bool [width, width]: row q (a visual token showing event j >= 1) marks the visual tokens
