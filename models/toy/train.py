@@ -55,17 +55,34 @@ class Example:
 
 
 def example(seed: int, seconds: float, fps: float, rng: np.random.Generator | None = None, *,
-            describe_share: float = 0.7) -> Example:
+            describe_share: float = 0.7, codec: bool = False) -> Example:
     """World `seed` rendered at `fps`; with `rng`, a prompt drawn from the world's prompts
-    (the description with probability `describe_share`), else the description."""
+    (the description with probability `describe_share`), else the description. `codec`: the frames
+    as decoded from an H.264 file of them (make_video's settings) instead of as rendered."""
     world = toy.make_world(seed, seconds)
-    frames = torch.from_numpy(np.stack(list(toy.render(world, fps, FRAME_SIZE)))).permute(0, 3, 1, 2).contiguous()
+    rendered = np.stack(list(toy.render(world, fps, FRAME_SIZE)))
+    frames = torch.from_numpy(h264_round_trip(rendered, fps) if codec else rendered).permute(0, 3, 1, 2).contiguous()
     pairs = toy.prompts(world.truth, rng if rng is not None else seed)
     if rng is not None and len(pairs) > 1 and rng.random() > describe_share:
         prompt, answer = pairs[1 + int(rng.integers(len(pairs) - 1))]
     else:
         prompt, answer = pairs[0]
     return Example(frames, prompt, answer, world.truth, world)
+
+
+def h264_round_trip(frames: np.ndarray, fps: float) -> np.ndarray:
+    """uint8 [n, H, W, 3] frames as they come back from an H.264 mp4 of them (4:2:0 chroma and
+    compression artifacts, what a model sees at inference): measured, the LLaVA target trained on
+    rendered frames scored F1 0.889 / 0.941 on two videos rendered, 0.667 / 0.353 decoded."""
+    import io
+
+    import av
+
+    buffer = io.BytesIO()
+    toy.encode_h264(iter(frames), fps, buffer)
+    buffer.seek(0)
+    with av.open(buffer) as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
 
 
 # What each visual token should be able to tell (a training-only auxiliary target): the object
@@ -345,10 +362,11 @@ class Batches(torch.utils.data.IterableDataset):
 
     def __init__(self, name: str, batch_size: int, seconds: tuple[float, float], seed: int,
                  warm_seconds: tuple[float, float] | None = None, ramp_batches: int = 0, stretch: float = 1.0,
-                 text_shift: int = 0, clause_gap: int = 0, ground_before: bool = False):
+                 text_shift: int = 0, clause_gap: int = 0, ground_before: bool = False, codec: bool = False):
         self.name, self.batch_size, self.seconds, self.seed = name, batch_size, seconds, seed
         self.warm_seconds, self.ramp_batches, self.stretch = warm_seconds or seconds, ramp_batches, stretch
         self.text_shift, self.clause_gap, self.ground_before = text_shift, clause_gap, ground_before
+        self.codec = codec
 
     def stretches(self, rng: np.random.Generator) -> list[float] | None:
         """Per example, the factor on its temporal position spacing: 1 for half the examples, else
@@ -397,7 +415,7 @@ class Batches(torch.utils.data.IterableDataset):
             batch += 1
             seconds = float(rng.integers(round(low), round(high) + 1))
             seeds = TRAIN_SEED0 + rng.integers(0, 1 << 40, self.batch_size)
-            yield model_inputs(config, tokenizer, [example(int(s), seconds, fps, rng) for s in seeds], with_answers=True,
+            yield model_inputs(config, tokenizer, [example(int(s), seconds, fps, rng, codec=self.codec) for s in seeds], with_answers=True,
                                stretch=self.stretches(rng), moves=self.moves(rng), ground_before=self.ground_before)
 
 
@@ -513,7 +531,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
           teacher: str | None = None, distill_weight: float = 1.0, rope_theta: float | None = None,
           precision: str = "bf16", ground_weight: float = 0.0, ground_layer: int | None = None,
           chain_weight: float = 0.0, chain_layer: int | None = None, text_shift: int = 0, clause_gap: int = 0,
-          ground_margin: float = 1.0, ground_before: bool = False,
+          ground_margin: float = 1.0, ground_before: bool = False, codec: bool = False,
           log_every: int = 50, eval_every: int = 250, out: str | None = None, progress: bool | None = None) -> dict:
     """Trains zoo model `model` and saves it under `out` (default models/toy/weights/<model>).
     The training-only parts are off here; conf/experiment/train_toy.yaml turns on the zoo's recipe."""
@@ -571,7 +589,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
     loader = torch.utils.data.DataLoader(Batches(model, batch_size, tuple(seconds), seed, tuple(warm_seconds),
-                                                 int(ramp * steps), stretch, text_shift, clause_gap, ground_before),
+                                                 int(ramp * steps), stretch, text_shift, clause_gap, ground_before, codec),
                                          batch_size=None,
                                          num_workers=1, prefetch_factor=4, persistent_workers=False)
     history, t0 = [], time.perf_counter()
@@ -618,7 +636,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
               "rope_theta": net.config.text_config.rope_parameters["rope_theta"], "precision": precision,
               "ground_weight": ground_weight, "ground_layer": ground_layer,
               "chain_weight": chain_weight, "chain_layer": chain_layer, "text_shift": text_shift,
-              "clause_gap": clause_gap, "ground_margin": ground_margin, "ground_before": ground_before,
+              "clause_gap": clause_gap, "ground_margin": ground_margin, "ground_before": ground_before, "codec": codec,
               "seconds": list(seconds), "warm_seconds": list(warm_seconds), "ramp": ramp, "train_s": round(time.perf_counter() - t0, 1), "history": history,
               f"f1_at_{eval_seconds:g}s": round(f1, 4), "eval_seeds": list(eval_seeds)}
     if init and (Path(init) / "training.json").is_file():   # keep the whole recipe: earlier stages first

@@ -376,26 +376,35 @@ def make_video(seed: int, seconds: float, fps: float, size: int | tuple[int, int
                crf: int = 18, gop_s: float = 2.0) -> Truth:
     """Renders the world of (`seed`, `seconds`) and encodes it as H.264 (yuv420p, a keyframe
     every `gop_s` s, no scene-cut keyframes) in an mp4 at `path`; returns its truth."""
-    import av
-
     world = make_world(seed, seconds)
     h, w = _hw(size)
     if h % 2 or w % 2:
         raise ValueError(f"H.264 4:2:0 needs an even height and width, got {h}x{w}")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    encode_h264(render(world, fps, (h, w)), fps, str(path), crf=crf, gop_s=gop_s)
+    return world.truth
+
+
+def encode_h264(frames, fps: float, out, *, crf: int = 18, gop_s: float = 2.0) -> None:
+    """Encodes RGB frames (uint8 [H, W, 3] each) as H.264 (yuv420p, a keyframe every `gop_s` s, no
+    scene-cut keyframes) into an mp4 at `out`, a path or a writable binary file."""
+    import av
+
     rate = Fraction(fps).limit_denominator(1001)
     gop = max(1, round(gop_s * fps))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with av.open(str(path), "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=rate)
-        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
-        stream.options = {"preset": "veryfast", "crf": str(crf),
-                          "x264-params": f"keyint={gop}:min-keyint={gop}:scenecut=0"}
-        for i, rgb in enumerate(render(world, fps, (h, w))):
+    with av.open(out, "w", format="mp4") as container:
+        stream = None
+        for i, rgb in enumerate(frames):
+            if stream is None:
+                stream = container.add_stream("libx264", rate=rate)
+                stream.width, stream.height, stream.pix_fmt = rgb.shape[1], rgb.shape[0], "yuv420p"
+                stream.options = {"preset": "veryfast", "crf": str(crf),
+                                  "x264-params": f"keyint={gop}:min-keyint={gop}:scenecut=0"}
             frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")   # converted to yuv420p by the encoder
             frame.pts, frame.time_base = i, 1 / rate
             container.mux(stream.encode(frame))
-        container.mux(stream.encode(None))
-    return world.truth
+        if stream is not None:
+            container.mux(stream.encode(None))
 
 
 # ----------------------------------------------------------------------------------- grammar

@@ -323,3 +323,17 @@ def test_a_chained_shifted_run_logs_its_chain_loss_and_refuses_bad_settings(tmp_
         train("qwen-draft", steps=1, text_shift=-1, progress=False)
     with pytest.raises(ValueError, match="ground_margin"):
         train("qwen-draft", steps=1, ground_margin=0.5, progress=False)
+
+
+def test_codec_examples_are_the_rendered_frames_through_h264():
+    """train.codec: same shape and content within the codec's error, but not the rendered bytes
+    (4:2:0 chroma and compression artifacts are what inference sees)."""
+    from models.toy.train import h264_round_trip
+
+    rendered = example(1_000_003, 6, 1.0)
+    decoded = example(1_000_003, 6, 1.0, codec=True)
+    assert decoded.frames.shape == rendered.frames.shape and decoded.answer == rendered.answer
+    error = (decoded.frames.float() - rendered.frames.float()).abs()
+    assert 0 < error.mean() < 3
+    frames = rendered.frames.permute(0, 2, 3, 1).numpy()
+    assert np.array_equal(h264_round_trip(frames, 1.0), decoded.frames.permute(0, 2, 3, 1).numpy())
