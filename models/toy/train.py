@@ -55,11 +55,12 @@ class Example:
 
 
 def example(seed: int, seconds: float, fps: float, rng: np.random.Generator | None = None, *,
-            describe_share: float = 0.7, codec: bool = False) -> Example:
+            describe_share: float = 0.7, codec: bool = False, gap_s: tuple[float, float] = toy.GAP_S) -> Example:
     """World `seed` rendered at `fps`; with `rng`, a prompt drawn from the world's prompts
     (the description with probability `describe_share`), else the description. `codec`: the frames
-    as decoded from an H.264 file of them (make_video's settings) instead of as rendered."""
-    world = toy.make_world(seed, seconds)
+    as decoded from an H.264 file of them (make_video's settings) instead of as rendered. `gap_s`:
+    the range of times between events (see Batches.gaps)."""
+    world = toy.make_world(seed, seconds, gap_s)
     rendered = np.stack(list(toy.render(world, fps, FRAME_SIZE)))
     frames = torch.from_numpy(h264_round_trip(rendered, fps) if codec else rendered).permute(0, 3, 1, 2).contiguous()
     pairs = toy.prompts(world.truth, rng if rng is not None else seed)
@@ -362,11 +363,22 @@ class Batches(torch.utils.data.IterableDataset):
 
     def __init__(self, name: str, batch_size: int, seconds: tuple[float, float], seed: int,
                  warm_seconds: tuple[float, float] | None = None, ramp_batches: int = 0, stretch: float = 1.0,
-                 text_shift: int = 0, clause_gap: int = 0, ground_before: bool = False, codec: bool = False):
+                 text_shift: int = 0, clause_gap: int = 0, ground_before: bool = False, codec: bool = False,
+                 dense_gap: tuple[float, float] | None = None, dense_share: float = 0.5):
         self.name, self.batch_size, self.seconds, self.seed = name, batch_size, seconds, seed
         self.warm_seconds, self.ramp_batches, self.stretch = warm_seconds or seconds, ramp_batches, stretch
         self.text_shift, self.clause_gap, self.ground_before = text_shift, clause_gap, ground_before
-        self.codec = codec
+        self.codec, self.dense_gap, self.dense_share = codec, dense_gap, dense_share
+
+    def gaps(self, rng: np.random.Generator) -> list[tuple[float, float]]:
+        """Per example, the range its world's times between events are drawn from: `dense_gap` for a
+        `dense_share` of them, else the world's own. Why: an answer states one clause per event, and
+        a model trained on <= 32-s worlds (<= ~12 events) has never written a 13th clause, which a
+        2-min video needs ~30 of (measured: the grammar itself broke down after ~10 clauses at
+        120 s). A denser world of training length gives long answers without long videos."""
+        if self.dense_gap is None:
+            return [toy.GAP_S] * self.batch_size
+        return [tuple(self.dense_gap) if rng.random() < self.dense_share else toy.GAP_S for _ in range(self.batch_size)]
 
     def stretches(self, rng: np.random.Generator) -> list[float] | None:
         """Per example, the factor on its temporal position spacing: 1 for half the examples, else
@@ -415,7 +427,8 @@ class Batches(torch.utils.data.IterableDataset):
             batch += 1
             seconds = float(rng.integers(round(low), round(high) + 1))
             seeds = TRAIN_SEED0 + rng.integers(0, 1 << 40, self.batch_size)
-            yield model_inputs(config, tokenizer, [example(int(s), seconds, fps, rng, codec=self.codec) for s in seeds], with_answers=True,
+            examples = [example(int(s), seconds, fps, rng, codec=self.codec, gap_s=g) for s, g in zip(seeds, self.gaps(rng))]
+            yield model_inputs(config, tokenizer, examples, with_answers=True,
                                stretch=self.stretches(rng), moves=self.moves(rng), ground_before=self.ground_before)
 
 
@@ -532,6 +545,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
           precision: str = "bf16", ground_weight: float = 0.0, ground_layer: int | None = None,
           chain_weight: float = 0.0, chain_layer: int | None = None, text_shift: int = 0, clause_gap: int = 0,
           ground_margin: float = 1.0, ground_before: bool = False, codec: bool = False,
+          dense_gap: tuple | None = None, dense_share: float = 0.5,
           log_every: int = 50, eval_every: int = 250, out: str | None = None, progress: bool | None = None) -> dict:
     """Trains zoo model `model` and saves it under `out` (default models/toy/weights/<model>).
     The training-only parts are off here; conf/experiment/train_toy.yaml turns on the zoo's recipe."""
@@ -566,6 +580,13 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
     if text_shift < 0 or clause_gap < 0:
         raise ValueError(f"text_shift={text_shift}, clause_gap={clause_gap}: the most positions the text "
                          "may move on, each >= 0")
+    if dense_gap is not None:
+        dense_gap = tuple(float(g) for g in dense_gap)
+        if len(dense_gap) != 2 or not toy.MOVE_S <= dense_gap[0] <= dense_gap[1]:
+            raise ValueError(f"dense_gap={list(dense_gap)}: [low, high] s between events, "
+                             f"{toy.MOVE_S} <= low <= high (a move glides for {toy.MOVE_S} s)")
+    if not 0.0 <= dense_share <= 1.0:
+        raise ValueError(f"dense_share={dense_share}: the fraction of examples from the denser world, in [0, 1]")
     n_params = sum(p.numel() for p in net.parameters())
     log.info("training %s: %s, %.2f M parameters, %d steps of %d videos of %s s", model,
              type(net).__name__, n_params / 1e6, steps, batch_size, seconds)
@@ -589,7 +610,8 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
     loader = torch.utils.data.DataLoader(Batches(model, batch_size, tuple(seconds), seed, tuple(warm_seconds),
-                                                 int(ramp * steps), stretch, text_shift, clause_gap, ground_before, codec),
+                                                 int(ramp * steps), stretch, text_shift, clause_gap, ground_before, codec,
+                                                 dense_gap, dense_share),
                                          batch_size=None,
                                          num_workers=1, prefetch_factor=4, persistent_workers=False)
     history, t0 = [], time.perf_counter()
@@ -637,6 +659,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
               "ground_weight": ground_weight, "ground_layer": ground_layer,
               "chain_weight": chain_weight, "chain_layer": chain_layer, "text_shift": text_shift,
               "clause_gap": clause_gap, "ground_margin": ground_margin, "ground_before": ground_before, "codec": codec,
+              "dense_gap": list(dense_gap) if dense_gap else None, "dense_share": dense_share if dense_gap else None,
               "seconds": list(seconds), "warm_seconds": list(warm_seconds), "ramp": ramp, "train_s": round(time.perf_counter() - t0, 1), "history": history,
               f"f1_at_{eval_seconds:g}s": round(f1, 4), "eval_seeds": list(eval_seeds)}
     if init and (Path(init) / "training.json").is_file():   # keep the whole recipe: earlier stages first

@@ -138,10 +138,15 @@ class World:
     cells: tuple[tuple[int, int] | None, ...]
 
 
-def make_world(seed: int, seconds: float) -> World:
-    """A world of `seconds` s, deterministic in `seed` (and a prefix of any longer one from it)."""
+def make_world(seed: int, seconds: float, gap_s: tuple[float, float] = GAP_S) -> World:
+    """A world of `seconds` s, deterministic in `seed` (and a prefix of any longer one from it).
+    `gap_s`: the range the time between two events is drawn from (training draws denser worlds
+    with it; everything else uses GAP_S)."""
     if not seconds > 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
+    if not MOVE_S <= gap_s[0] <= gap_s[1]:
+        raise ValueError(f"gap_s={tuple(gap_s)}: need {MOVE_S} <= low <= high (a move glides for {MOVE_S} s, "
+                         "and moves must not overlap)")
     rng = np.random.default_rng(seed)
     events: list[Event] = []
     cells: list[tuple[int, int] | None] = []
@@ -167,7 +172,7 @@ def make_world(seed: int, seconds: float) -> World:
     appear(0.0)
     t, last_background = 0.0, 0.0
     while True:
-        t = round(t + rng.uniform(*GAP_S), 2)
+        t = round(t + rng.uniform(*gap_s), 2)
         if t > seconds - END_S:
             break
         occupied = {o["cell"] for o in objects.values()}

@@ -337,3 +337,22 @@ def test_codec_examples_are_the_rendered_frames_through_h264():
     assert 0 < error.mean() < 3
     frames = rendered.frames.permute(0, 2, 3, 1).numpy()
     assert np.array_equal(h264_round_trip(frames, 1.0), decoded.frames.permute(0, 2, 3, 1).numpy())
+
+
+def test_a_share_of_the_examples_come_from_a_denser_world_with_longer_answers(tmp_path):
+    import pytest
+
+    rng = np.random.default_rng(0)
+    gaps = Batches("qwen-draft", 400, (2, 4), 0, dense_gap=(1.0, 1.5), dense_share=0.25).gaps(rng)
+    assert set(gaps) == {(1.0, 1.5), toy.GAP_S} and 60 < gaps.count((1.0, 1.5)) < 140
+    assert Batches("qwen-draft", 3, (2, 4), 0).gaps(rng) == [toy.GAP_S] * 3
+    plain, dense = example(1_000_005, 30, 2.0), example(1_000_005, 30, 2.0, gap_s=(1.0, 1.5))
+    assert len(dense.truth.events) > 2 * len(plain.truth.events)
+    assert len(dense.answer.split(" . ")) == len(dense.truth.events)        # one clause per event
+    result = train("qwen-draft", steps=1, batch_size=2, seconds=(6, 6), warm_seconds=(6, 6), warmup=1, eval_seconds=4,
+                   eval_videos=1, dense_gap=[1.0, 2.0], dense_share=1.0, out=str(tmp_path / "ck"), progress=False)
+    assert (result["dense_gap"], result["dense_share"]) == ([1.0, 2.0], 1.0)
+    with pytest.raises(ValueError, match="dense_gap"):
+        train("qwen-draft", steps=1, dense_gap=[0.5, 1.0], progress=False)     # moves would overlap
+    with pytest.raises(ValueError, match="dense_share"):
+        train("qwen-draft", steps=1, dense_gap=[1.0, 2.0], dense_share=2, progress=False)

@@ -63,6 +63,19 @@ def test_events_are_spread_over_the_whole_timeline(seconds):
         assert 6 <= np.mean(counts) * 30 / seconds <= 11, counts        # about 8 events per 30 s
 
 
+def test_a_denser_world_keeps_its_gaps_and_refuses_overlapping_moves():
+    import pytest
+
+    for seed in range(10):
+        times = [e.time for e in make_world(seed, 60, gap_s=(1.0, 1.5)).truth.events if e.time > 0]
+        assert all(1.0 - 1e-9 <= b - a <= 1.5 + 1e-9 for a, b in itertools.pairwise(times))
+        assert len(times) >= (60 - END_S) / 1.5 - 2
+    with pytest.raises(ValueError, match="gap_s"):
+        make_world(0, 30, gap_s=(0.5, 1.0))
+    with pytest.raises(ValueError, match="gap_s"):
+        make_world(0, 30, gap_s=(3.0, 2.0))
+
+
 def test_objects_on_screen_have_distinct_shapes_and_places():
     for seed in range(5):
         world = make_world(seed, 120)
