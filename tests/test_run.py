@@ -204,7 +204,7 @@ def test_default_run_describes_the_bundled_video_with_the_toy_target(tmp_path):
     assert metrics["output_text"] in out.stdout
     assert metrics["video"]["n_video_tokens"] == 270 and metrics["ttft_s"] < metrics["wall_s"]
     truth = Truth.from_dict(json.loads((ROOT / "models" / "toy" / "sample" / "toy-30s.json").read_text()))
-    # the shipped target describes 7 of this video's 8 events right (F1 0.875, greedy, fp32); a broken
+    # the shipped target describes all 8 of this video's events right (F1 1.0, greedy, fp32); a broken
     # pipeline (random weights: 0; decoding at wrong positions: 0.375 with earlier weights) scores below
     assert score(metrics["output_text"], truth)["f1"] >= 0.6
 
