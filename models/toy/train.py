@@ -7,8 +7,10 @@ safetensors + tokenizer + preprocessor config), the way a real checkpoint is sav
 Each step draws a batch of fresh worlds (training seeds start at TRAIN_SEED0; held-out seeds
 are below it) of one length drawn from a range that starts short (`warm_seconds`: one to three
 events, so the model first learns to look at the video: trained on 8-32 s from the start, a 6 M
-model sat on the video-blind loss plateau for 500+ steps, measured) and widens to `seconds`, renders them straight to frames (the codec
-round trip changes pixels by ~0.5/255 on average, measured, so training skips it), and asks a
+model sat on the video-blind loss plateau for 500+ steps, measured) and widens to `seconds`, renders
+them to frames (straight, or through H.264 with `codec`: the round trip changes pixels by only
+~0.5/255 on average, yet the LLaVA target trained without it lost F1 on decoded videos, measured;
+`dense_gap` draws a share of the worlds with events closer together), and asks a
 prompt from `models.toy.world.prompts`: the description most of the time, a follow-up question
 otherwise. Loss is next-token cross-entropy on the answer and its closing <|im_end|>, plus (training only,
 `aux_weight`) a linear probe on every visual token predicting what is on its cell of the 3x3 board
