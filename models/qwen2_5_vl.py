@@ -63,13 +63,15 @@ class QwenVL(VideoLM):
                                         temporal=self.vision.temporal_patch_size, merge=self.vision.spatial_merge_size)
         ids = layout.ids[None].to(self.device)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                "pixel_values_videos": flat.to(self.device, self.dtype), "video_grid_thw": torch.tensor([grid]),
-                "second_per_grid_ts": torch.tensor([self.vision.temporal_patch_size / fps]),
+                "pixel_values_videos": flat.to(self.device, self.dtype),
+                "video_grid_thw": torch.tensor([grid], device=self.device),
+                "second_per_grid_ts": torch.tensor([self.vision.temporal_patch_size / fps], device=self.device),
                 "mm_token_type_ids": (ids == self.placeholder_id).int() * 2}
 
     @torch.inference_mode()
     def encode(self, frames, *, last=True):
         flat, grid = qwen_video_patches(frames, self.mean, self.std, patch=self.vision.patch_size,
                                         temporal=self.vision.temporal_patch_size, merge=self.vision.spatial_merge_size)
-        out = self.model.model.get_video_features(flat.to(self.device, self.dtype), torch.tensor([grid]))
+        # the grid goes where the tower runs: it computes rotary positions from it on its device
+        out = self.model.model.get_video_features(flat.to(self.device, self.dtype), torch.tensor([grid], device=self.device))
         return out.pooler_output[0]

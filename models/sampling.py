@@ -37,8 +37,11 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """probs [..., V] -> int64 [...]: one draw per row."""
+    """probs [..., V] -> int64 [...]: one draw per row, on the generator's device: a run seeded
+    with a CPU generator draws the same tokens whether the model sits on a CPU or a GPU."""
     flat = probs.reshape(-1, probs.shape[-1])
+    if generator is not None and flat.device != generator.device:
+        flat = flat.to(generator.device)
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 

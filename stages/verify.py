@@ -42,7 +42,7 @@ from stages.types import KV, Proposal, Tokens, Verdict
 def greedy_verify(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """draft int64 [k]; target_logits [k+1, V] (row i predicts the token after draft[:i]).
     Returns (accepted ∈ 0..k, the target's token after the accepted prefix)."""
-    choice = target_logits.argmax(-1)                                     # [k+1]
+    choice = target_logits.argmax(-1).to(draft.device)                   # [k+1], beside the draft's tokens
     agree = (choice[:-1] == draft).long()
     accepted = int(agree.cumprod(0).sum())
     return accepted, int(choice[accepted])
@@ -144,7 +144,9 @@ class Verifier(Stage):
         if self.sampling.greedy:
             accepted, token = greedy_verify(draft, logits)
         else:
-            accepted, token = speculative_verify(draft, q[:, :vocab], self.sampling.probs(logits), self.rng)
+            # the rule runs on the host, so its draws come from the CPU generator on any device
+            accepted, token = speculative_verify(draft, q[:, :vocab].float().cpu(),
+                                                 self.sampling.probs(logits).float().cpu(), self.rng)
         spent = time.perf_counter() - started      # int() above waited for the device: the whole forward
         self.verify_s.append(spent)
         self.windows.append(proposal.meta.get("window", int(draft.shape[0])))
