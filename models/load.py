@@ -4,6 +4,7 @@ and `trust_remote_code` stays off.
 
     lm = load_model("models/toy/weights/qwen-target")
     lm = load_model("Qwen/Qwen2.5-VL-7B-Instruct", dtype="bfloat16", device="cuda", attn_implementation="sdpa")
+    lm = load_model("random:qwen2.5-vl-32b", dtype="bfloat16", device="cuda")     # real shape, random weights (models.shapes)
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import logging
 from pathlib import Path
 
 import torch
+
+from models import shapes
+from models.shapes import is_random
 
 log = logging.getLogger("reelflow.models")
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +44,9 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
 
     if dtype not in DTYPES:
         raise ModelError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+    _check_attention(attn_implementation)
+    if is_random(path):
+        return _random_model(path, dtype=dtype, device=device, attn_implementation=attn_implementation, name=name)
     where = resolve(path)
     local = Path(where).is_dir()
     try:
@@ -54,6 +61,15 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
     arch = config.model_type
     if arch not in ADAPTERS:
         raise ModelError(f"model {path!r} is a {arch!r} model; reelflow adapts {', '.join(ADAPTERS)}")
+    model = AutoModelForImageTextToText.from_pretrained(
+        where, dtype=DTYPES[dtype], attn_implementation=attn_implementation, use_safetensors=True,
+        trust_remote_code=False).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    preprocess = _preprocess(where) if local else {}
+    return _adapt(arch, model, tokenizer, preprocess, name or Path(path).name, dtype, device, attn_implementation)
+
+
+def _check_attention(attn_implementation: str) -> None:
     if attn_implementation == "reelflow":    # ours: sdpa for prefill, grouped matmuls for a few new tokens
         from models.attention import register
 
@@ -64,19 +80,41 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
         except ImportError:
             raise ModelError("attn_implementation=flash_attention_2 needs the flash-attn package "
                              "(pip install '.[gpu]'); on a GPU, sdpa already runs flash kernels") from None
-    model = AutoModelForImageTextToText.from_pretrained(
-        where, dtype=DTYPES[dtype], attn_implementation=attn_implementation, use_safetensors=True,
-        trust_remote_code=False).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(where)
-    preprocess = {}
-    if local and (Path(where) / "preprocessor_config.json").is_file():
-        preprocess = json.loads((Path(where) / "preprocessor_config.json").read_text())
+
+
+def _preprocess(where: str) -> dict:
+    path = Path(where) / "preprocessor_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _adapt(arch, model, tokenizer, preprocess, name, dtype, device, attn_implementation):
     module, cls = ADAPTERS[arch].split(":")
     adapter = getattr(__import__(module, fromlist=[cls]), cls)
-    lm = adapter(model, tokenizer, preprocess, name or Path(path).name)
+    lm = adapter(model, tokenizer, preprocess, name)
     log.info("loaded %s (%s, %.2f M parameters, %s, %s, %s)", lm.name, arch,
              sum(p.numel() for p in model.parameters()) / 1e6, dtype, device, attn_implementation)
     return lm
+
+
+def _random_model(path: str, *, dtype: str, device: str, attn_implementation: str, name: str | None):
+    """A real checkpoint's shape with random weights (models.shapes), built on `device` directly:
+    a 32B-shaped model never passes through host memory."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+    try:
+        shape, overrides = shapes.parse(path)
+        family = shapes.SHAPES[shape][0]
+        base = resolve(shapes.TOKENIZER_OF[family])
+        config = shapes.build_config(AutoConfig.from_pretrained(base), shape, overrides)
+    except (KeyError, ValueError) as e:
+        raise ModelError(f"model path {path!r}: {e.args[0] if e.args else e}") from None
+    torch.manual_seed(0)             # the same random weights every time
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(config, dtype=DTYPES[dtype],
+                                                        attn_implementation=attn_implementation)
+    preprocess = {**_preprocess(base), **shapes.preprocess_of(shape)}
+    return _adapt(family, model, AutoTokenizer.from_pretrained(base), preprocess, name or path, dtype, device,
+                  attn_implementation)
 
 
 def tokenizer_of(path: str, name: str | None = None):
@@ -86,6 +124,11 @@ def tokenizer_of(path: str, name: str | None = None):
 
     from transformers import AutoConfig, AutoTokenizer
 
+    if is_random(path):
+        shape, overrides = shapes.parse(path)
+        where = resolve(shapes.TOKENIZER_OF[shapes.SHAPES[shape][0]])
+        vocab_size = overrides.get("vocab_size", shapes.SHAPES[shape][1]["vocab_size"])
+        return SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(where), vocab_size=vocab_size, name=name or path)
     where = resolve(path)
     try:
         config = AutoConfig.from_pretrained(where, trust_remote_code=False)
