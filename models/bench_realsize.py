@@ -1,0 +1,276 @@
+"""What the adapters cost at real size: prefill time and per-token decode time against context
+length, for random-weight models of the real checkpoints' shapes (models.shapes), on a GPU.
+
+    python -m models.bench_realsize --models random:qwen2.5-vl-7b random:qwen2.5-vl-32b \\
+        --contexts 2048 4096 8192 16384 32768 --pair random:qwen2.5-vl-7b random:qwen2.5-vl-32b
+
+For each model and context of N video tokens (plus the prompt's few text tokens), through the
+VideoLM protocol exactly as the stages call it:
+- encode_s: the vision tower on the frames that give N tokens (random pixels, the real frame size);
+- prefill_s: one-shot prefill of the whole prompt at its MRoPE / 1-D positions (median of repeats);
+- step_ms: one greedy decode step at that context: a one-token forward, argmax, and the host
+  reading the token (what generation pays per token), mean over `steps` steps;
+- verify_ms[k]: one forward scoring k new tokens over the same cache (a speculative round's
+  verification), then the rollback; median of `repeats`.
+
+With `--pair DRAFT TARGET`, the draft is also timed at the contexts it keeps after pruning a
+share α of the video (`--alphas`), and a second table gives ParallelVLM's Table-3 analogue:
+Tp (the target verifying `--gamma` tokens over the full context), Tq(α) (the draft's step over
+the pruned one), c* = Tp / Tq(α), and the seed's Eq. 7 projection τ̂ · c* at a few acceptance
+rates τ̂ (random weights have no acceptance of their own; the toy pair's is measured by bench_sd).
+
+Writes outputs/bench_realsize/<time>/: results.json (every figure), table.md, realsize.png.
+Timings are synchronised device time on the wall clock; nothing here is a unit test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from models.load import load_model
+
+PROMPT = "describe the video ."
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device) -> tuple[float, object]:
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - start, out
+
+
+def frames_for(lm, n_video: int) -> tuple[int, tuple[int, int]]:
+    """The frame count (at the model's frame size) whose video gives about `n_video` tokens."""
+    hw = tuple(lm.frame_size or (448, 448))
+    per_step, _ = lm.video_token_count(lm.frames_per_step, hw)
+    steps = max(1, round(n_video / per_step))
+    return steps * lm.frames_per_step, hw
+
+
+def kept_rows(layout, alpha: float) -> torch.Tensor:
+    """Prompt rows a draft keeps when it prunes a share `alpha` of the video: all text, and video
+    tokens spread evenly over the video (which ones does not change the time; how many does)."""
+    keep = max(1, math.ceil((1 - alpha) * layout.n_video))
+    video = torch.linspace(0, layout.n_video - 1, keep).round().long().unique() + layout.video_start
+    text = torch.cat([torch.arange(layout.video_start), torch.arange(layout.video.stop, layout.length)])
+    return torch.cat([text, video]).sort().values
+
+
+def measure(lm, n_video: int, *, steps: int, repeats: int, ks: tuple[int, ...], alpha: float = 0.0) -> dict:
+    """Every timing of one model at one context (see the module doc); with `alpha` > 0 the cache
+    holds the prompt with that share of its video pruned, at the kept tokens' own positions."""
+    device = lm.device
+    n_frames, hw = frames_for(lm, n_video)
+    layout = lm.layout(PROMPT, n_frames, hw, lm.fps or 2.0)
+    g = torch.Generator().manual_seed(n_video)
+    frames = torch.randint(0, 256, (n_frames, 3, *hw), dtype=torch.uint8, generator=g)
+    encode_s, video = _timed(lambda: lm.encode(frames), device)
+    embeds, positions = lm.embed(layout.ids, video, layout.video_start), layout.positions
+    if alpha > 0:
+        rows = kept_rows(layout, alpha)
+        embeds, positions = embeds[rows.to(embeds.device)], positions[:, rows]
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    prefills = []
+    for _ in range(repeats):
+        cache = lm.new_cache()
+        seconds, logits = _timed(lambda: lm.prefill(cache, embeds, positions), device)
+        prefills.append(seconds)
+        if len(prefills) < repeats:
+            del cache
+    token, position = int(logits.argmax()), layout.length
+    step_times = []
+    for i in range(steps + 4):                       # the first 4 steps warm up, untimed
+        _sync(device)
+        start = time.perf_counter()
+        logits = lm.score(cache, torch.tensor([token]), position, layout)
+        token = int(logits[-1].argmax())             # the host reads the token, as generation does
+        if i >= 4:
+            step_times.append(time.perf_counter() - start)
+        position += 1
+    verify = {}
+    for k in ks:
+        length = lm.cached_length(cache)
+        times = []
+        for _ in range(repeats + 1):
+            ids = torch.full((k,), token)
+            seconds, _ = _timed(lambda: lm.score(cache, ids, position, layout), device)
+            lm.crop(cache, length)
+            times.append(seconds)
+        verify[k] = 1000 * statistics.median(times[1:])
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if torch.device(device).type == "cuda" else None
+    return {"n_video": layout.n_video, "alpha": alpha, "cached": embeds.shape[0], "context": layout.length,
+            "n_frames": n_frames, "frame_hw": list(hw),
+            "encode_s": encode_s, "prefill_s": statistics.median(prefills),
+            "step_ms": 1000 * statistics.mean(step_times), "verify_ms": verify, "peak_gib": peak}
+
+
+def label(n: int, alpha: float) -> str:
+    return str(n) if not alpha else f"{n} α={alpha:g}"
+
+
+def run_benchmark(models, contexts, *, device="cuda", dtype="bfloat16", attn="sdpa", steps=32, repeats=2,
+                  ks=(2, 4, 8, 16), pair=None, alphas=(0.0, 0.5, 0.9), gamma=8, out: Path | None = None) -> dict:
+    contexts = sorted(set(contexts))
+    plan = {m: [(n, 0.0) for n in contexts] for m in models}
+    if pair:
+        draft, target = pair
+        plan.setdefault(target, [(n, 0.0) for n in contexts])
+        plan[draft] = sorted(set(plan.get(draft, [])) | {(n, float(a)) for n in contexts for a in alphas})
+    on_gpu = torch.device(device).type == "cuda"
+    results = {"device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
+               "dtype": dtype, "attn_implementation": attn, "torch": torch.__version__, "models": {}}
+    bar = tqdm(total=sum(len(c) for c in plan.values()), desc="bench_realsize", unit="context")
+    for path, model_plan in plan.items():
+        load_s, lm = _timed(lambda: load_model(path, dtype=dtype, device=device, attn_implementation=attn), device)
+        entry = {"parameters": sum(p.numel() for p in lm.model.parameters()), "load_s": load_s,
+                 "layers": lm.n_layers, "contexts": {}}
+        measure(lm, contexts[0], steps=2, repeats=1, ks=ks[:1])     # kernels, allocator, cuBLAS handles
+        for n, alpha in model_plan:
+            bar.set_postfix_str(f"{path.removeprefix('random:')} {label(n, alpha)}")
+            try:
+                entry["contexts"][label(n, alpha)] = measure(lm, n, steps=steps, repeats=repeats, ks=ks, alpha=alpha)
+            except torch.OutOfMemoryError as e:
+                entry["contexts"][label(n, alpha)] = {"error": "out of memory: " + str(e).splitlines()[0]}
+            if on_gpu:
+                torch.cuda.empty_cache()
+            bar.update()
+        results["models"][path] = entry
+        del lm
+        if on_gpu:
+            torch.cuda.empty_cache()
+    bar.close()
+    if pair:
+        results["speculative"] = speculative_table(results, pair, contexts, alphas, gamma)
+    if out is not None:
+        write(results, out)
+    return results
+
+
+def speculative_table(results: dict, pair, contexts, alphas, gamma: int) -> list[dict]:
+    """ParallelVLM Table 3's analogue: Tp, Tq(α), c* and Eq. 7's τ̂ · c* (see the module doc)."""
+    draft, target = (results["models"][p]["contexts"] for p in pair)
+    rows = []
+    for n in contexts:
+        t = target.get(label(n, 0.0), {})
+        if "verify_ms" not in t:
+            continue
+        tp = t["verify_ms"].get(gamma) or t["verify_ms"][max(t["verify_ms"])]
+        for a in alphas:
+            d = draft.get(label(n, float(a)), {})
+            if "step_ms" not in d:
+                continue
+            c = tp / d["step_ms"]
+            rows.append({"n_video": t["n_video"], "alpha": a, "draft_cached": d["cached"], "tp_ms": tp,
+                         "target_step_ms": t["step_ms"], "tq_ms": d["step_ms"], "c": c,
+                         "eq7": {tau: tau * c for tau in (0.5, 0.7, 0.9)}})
+    return rows
+
+
+def markdown(results: dict) -> str:
+    lines = [f"device {results['device']}, {results['dtype']}, attention {results['attn_implementation']}, "
+             f"torch {results['torch']}", "",
+             "| model | params (B) | video tokens | cached | encode s | prefill s | decode ms/token | verify k ms | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for path, entry in results["models"].items():
+        for n, r in entry["contexts"].items():
+            name = path.removeprefix("random:")
+            if "error" in r:
+                lines.append(f"| {name} | {entry['parameters'] / 1e9:.2f} | {n} | – | – | – | – | {r['error']} | – |")
+                continue
+            verify = ", ".join(f"{k}: {v:.1f}" for k, v in r["verify_ms"].items())
+            peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "–"
+            lines.append(f"| {name} | {entry['parameters'] / 1e9:.2f} | {n} | {r['cached']} | {r['encode_s']:.3f} | "
+                         f"{r['prefill_s']:.3f} | {r['step_ms']:.2f} | {verify} | {peak} |")
+    if results.get("speculative"):
+        lines += ["", "| video tokens | α | draft caches | Tp ms | target step ms | Tq(α) ms | c* = Tp/Tq | "
+                  "τ̂·c* at τ̂ 0.5 / 0.7 / 0.9 |", "|---|---|---|---|---|---|---|---|"]
+        for r in results["speculative"]:
+            eq7 = " / ".join(f"{v:.1f}" for v in r["eq7"].values())
+            lines.append(f"| {r['n_video']} | {r['alpha']:g} | {r['draft_cached']} | {r['tp_ms']:.1f} | "
+                         f"{r['target_step_ms']:.1f} | {r['tq_ms']:.1f} | {r['c']:.2f} | {eq7} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_prefill, ax_step) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, entry in results["models"].items():
+        rows = [r for r in entry["contexts"].values() if "error" not in r and not r["alpha"]]
+        if not rows:
+            continue
+        x = [r["n_video"] for r in rows]
+        label = name.removeprefix("random:")[:32]
+        ax_prefill.plot(x, [r["encode_s"] + r["prefill_s"] for r in rows], "o-", label=f"{label} encode + prefill")
+        ax_prefill.plot(x, [r["prefill_s"] for r in rows], "o--", label=f"{label} prefill")
+        line, = ax_step.plot(x, [r["step_ms"] for r in rows], "o-", label=f"{label} one token")
+        k = max(rows[0]["verify_ms"])
+        ax_step.plot(x, [r["verify_ms"][k] for r in rows], "s--", color=line.get_color(), label=f"{label} {k} tokens")
+    for ax, title, ylabel in ((ax_prefill, "prefill", "seconds"), (ax_step, "a decode step", "ms per forward")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("video tokens in context")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title} ({results['device']}, {results['dtype']})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    ax_prefill.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "table.md").write_text(markdown(results))
+    plot(results, out / "realsize.png")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["random:qwen2.5-vl-7b", "random:qwen2.5-vl-32b"])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[2048, 4096, 8192, 16384, 32768],
+                        help="video tokens per context")
+    parser.add_argument("--pair", nargs=2, metavar=("DRAFT", "TARGET"), help="also ParallelVLM's Tp / Tq(α) table")
+    parser.add_argument("--alphas", nargs="+", type=float, default=[0.0, 0.5, 0.9])
+    parser.add_argument("--gamma", type=int, default=8, help="tokens the target verifies per round (Tp)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attn", default="sdpa")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if torch.device(args.device).type != "cuda":
+        print("note: no CUDA device; CPU timings of real-size shapes take long and mean little")
+    out = args.out or ROOT / "outputs" / "bench_realsize" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    ks = tuple(sorted({2, 4, args.gamma, 16}))
+    results = run_benchmark(args.models, args.contexts, device=args.device, dtype=args.dtype, attn=args.attn,
+                            steps=args.steps, repeats=args.repeats, ks=ks, pair=args.pair, alphas=args.alphas,
+                            gamma=args.gamma, out=out)
+    print(markdown(results))
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()
