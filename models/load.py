@@ -108,8 +108,10 @@ def _random_model(path: str, *, dtype: str, device: str, attn_implementation: st
         config = shapes.build_config(AutoConfig.from_pretrained(base), shape, overrides)
     except (KeyError, ValueError) as e:
         raise ModelError(f"model path {path!r}: {e.args[0] if e.args else e}") from None
-    torch.manual_seed(0)             # the same random weights every time
-    with torch.device(device):
+    where = torch.device(device)
+    # the same random weights every time, without touching the caller's random state
+    with torch.random.fork_rng(devices=[where.index or 0] if where.type == "cuda" else []), where:
+        torch.manual_seed(0)
         model = AutoModelForImageTextToText.from_config(config, dtype=DTYPES[dtype],
                                                         attn_implementation=attn_implementation)
     preprocess = {**_preprocess(base), **shapes.preprocess_of(shape)}
@@ -125,7 +127,10 @@ def tokenizer_of(path: str, name: str | None = None):
     from transformers import AutoConfig, AutoTokenizer
 
     if is_random(path):
-        shape, overrides = shapes.parse(path)
+        try:
+            shape, overrides = shapes.parse(path)
+        except (KeyError, ValueError) as e:
+            raise ModelError(f"model path {path!r}: {e.args[0] if e.args else e}") from None
         where = resolve(shapes.TOKENIZER_OF[shapes.SHAPES[shape][0]])
         vocab_size = overrides.get("vocab_size", shapes.SHAPES[shape][1]["vocab_size"])
         return SimpleNamespace(tokenizer=AutoTokenizer.from_pretrained(where), vocab_size=vocab_size, name=name or path)

@@ -51,6 +51,9 @@ def test_a_bad_random_path_is_a_clear_model_error(path, message):
     with pytest.raises(ModelError, match="model path") as info:
         load_model(path)
     assert message in str(info.value)
+    if "no such config fields" not in message:       # the tokenizer check reads the path, not the fields
+        with pytest.raises(ModelError, match="model path"):
+            tokenizer_of(path)
 
 
 def test_a_random_model_runs_behind_the_adapter_with_the_real_vocabulary_width():
@@ -60,6 +63,11 @@ def test_a_random_model_runs_behind_the_adapter_with_the_real_vocabulary_width()
     assert lm.frame_size == (448, 448) and lm.fps == 2.0
     for a, b in zip(lm.model.parameters(), again.model.parameters()):
         assert torch.equal(a, b)                     # seeded: the same weights each time
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    load_model(TINY)
+    assert torch.equal(torch.rand(3), expected)      # ... without resetting the caller's random state
     layout = lm.layout("describe the video .", n_frames=2, frame_hw=(448, 448), fps=2.0)
     assert layout.n_video == 256 and layout.positions.shape[0] == 3
     frames = torch.randint(0, 256, (2, 3, 448, 448), dtype=torch.uint8)
