@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -420,14 +421,17 @@ class Batches(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
-        worker = info.id if info else 0
-        torch.set_num_threads(1)
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        if info is not None:        # in the loader's own process (loader_workers=0) training keeps its threads
+            torch.set_num_threads(1)
         rng = np.random.default_rng([self.seed, worker])
         config, tokenizer = zoo_config(self.name), build_tokenizer(SHAPES[self.name][0])
         fps = FPS[config.model_type]
         batch = 0
         while True:
-            low, high = self.lengths(batch)
+            # the DataLoader takes batches from its workers in turn, so this worker's k-th batch is
+            # the loader's (k * workers + worker)-th: the curriculum follows the training steps
+            low, high = self.lengths(batch * workers + worker)
             batch += 1
             seconds = float(rng.integers(round(low), round(high) + 1))
             seeds = TRAIN_SEED0 + rng.integers(0, 1 << 40, self.batch_size)
@@ -489,7 +493,7 @@ def step_losses(net, heads: dict, batch: dict, teacher=None, ground_layer: int |
             is_video = is_video & ~last
         logits = heads["events"](middle[is_video])
         # most tokens see no change: weigh "none" down so that the rare events carry the loss
-        weight = torch.ones(len(EVENT_CLASSES))
+        weight = torch.ones(len(EVENT_CLASSES), device=logits.device)
         weight[0] = 0.1
         losses["events"] = torch.nn.functional.cross_entropy(logits, events, weight=weight)
     return losses
@@ -531,12 +535,13 @@ def caption_f1(model, tokenizer, seeds, seconds: float) -> float:
     """Mean event F1 of greedy descriptions of held-out worlds `seeds` of `seconds` s."""
     model.eval()
     f1 = []
+    device = next(model.parameters()).device
     for seed in seeds:
         ex = example(int(seed), seconds, FPS[model.config.model_type])
-        batch = model_inputs(model.config, tokenizer, [ex], with_answers=False)
+        batch = to_device(model_inputs(model.config, tokenizer, [ex], with_answers=False), device)
         budget = 8 * len(ex.truth.events) + 16
         out = model.generate(**batch, max_new_tokens=budget, do_sample=False)
-        text = tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        text = tokenizer.decode(out[0, batch["input_ids"].shape[1]:].cpu(), skip_special_tokens=True)
         f1.append(toy.score(text, ex.truth)["f1"])
     model.train()
     return float(np.mean(f1))
@@ -549,15 +554,20 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
           precision: str = "bf16", ground_weight: float = 0.0, ground_layer: int | None = None,
           chain_weight: float = 0.0, chain_layer: int | None = None, text_shift: int = 0, clause_gap: int = 0,
           ground_margin: float = 1.0, ground_before: bool = False, codec: bool = False,
-          dense_gap: tuple | None = None, dense_share: float = 0.5,
+          dense_gap: tuple | None = None, dense_share: float = 0.5, device: str = "auto",
+          loader_workers: int | None = None,
           log_every: int = 50, eval_every: int = 250, out: str | None = None, progress: bool | None = None) -> dict:
     """Trains zoo model `model` and saves it under `out` (default models/toy/weights/<model>).
-    The training-only parts are off here; conf/experiment/train_toy.yaml turns on the zoo's recipe."""
+    The training-only parts are off here; conf/experiment/train_toy.yaml turns on the zoo's recipe.
+    `device`: where the model trains (resolve_device); `loader_workers`: the processes making
+    batches (loader_workers_for)."""
     from tqdm import tqdm
     from transformers import AutoModelForImageTextToText
 
     if precision not in ("bf16", "fp32"):
         raise ValueError(f"precision={precision!r}: bf16 (autocast, fp32 master weights) or fp32")
+    device = resolve_device(device)
+    loader_workers = loader_workers_for(device, loader_workers)
     torch.manual_seed(seed)
     config = zoo_config(model, rope_theta)
     tokenizer = build_tokenizer(config.model_type)
@@ -592,23 +602,26 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
     if not 0.0 <= dense_share <= 1.0:
         raise ValueError(f"dense_share={dense_share}: the fraction of examples from the denser world, in [0, 1]")
     n_params = sum(p.numel() for p in net.parameters())
-    log.info("training %s: %s, %.2f M parameters, %d steps of %d videos of %s s", model,
-             type(net).__name__, n_params / 1e6, steps, batch_size, seconds)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    log.info("training %s: %s, %.2f M parameters, %d steps of %d videos of %s s, on %s%s with %d loader workers",
+             model, type(net).__name__, n_params / 1e6, steps, batch_size, seconds, device,
+             f" ({device_name})" if device_name else "", loader_workers)
     hidden = config.text_config.hidden_size
     heads = {}
     if aux_weight > 0:
-        heads["cells"] = torch.nn.Linear(hidden, sum(len(v) for v in AUX.values()))
+        heads["cells"] = torch.nn.Linear(hidden, sum(len(v) for v in AUX.values())).to(device)
     if event_weight > 0:
-        heads["events"] = torch.nn.Linear(hidden, len(EVENT_CLASSES))
+        heads["events"] = torch.nn.Linear(hidden, len(EVENT_CLASSES)).to(device)
     weights = {"lm": 1.0, "cells": aux_weight, "events": event_weight, "distill": distill_weight, "ground": ground_weight,
                "chain": chain_weight}
     if teacher:     # a trained target of the same architecture and tokenizer, frozen
         teacher_net = AutoModelForImageTextToText.from_pretrained(teacher, dtype=torch.float32, use_safetensors=True)
         if teacher_net.config.model_type != config.model_type:
             raise ValueError(f"teacher={teacher} is a {teacher_net.config.model_type} model; {model} is {config.model_type}")
-        teacher_net.eval().requires_grad_(False)
+        teacher_net.eval().requires_grad_(False).to(device)
     else:
         teacher_net = None
+    net.to(device)         # after every random initialisation, which stays on the CPU: same weights anywhere
     params = list(net.parameters()) + [p for h in heads.values() for p in h.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -616,17 +629,19 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
     loader = torch.utils.data.DataLoader(Batches(model, batch_size, tuple(seconds), seed, tuple(warm_seconds),
                                                  int(ramp * steps), stretch, text_shift, clause_gap, ground_before, codec,
                                                  dense_gap, dense_share),
-                                         batch_size=None,
-                                         num_workers=1, prefetch_factor=4, persistent_workers=False)
+                                         batch_size=None, num_workers=loader_workers,
+                                         prefetch_factor=4 if loader_workers else None, persistent_workers=False,
+                                         pin_memory=device.type == "cuda")
     history, t0 = [], time.perf_counter()
     net.train()
     bar = tqdm(zip(range(steps), loader), total=steps, desc=f"train {model}", disable=progress is False,
                mininterval=5)
     running: dict[str, float] = {}
     for step, batch in bar:
+        batch = to_device(batch, device)
         # bf16 autocast: matmuls in bf16, weights and optimizer in fp32; on these 2 cores (AVX512-BF16)
         # target steps on 8 videos of 32 s run 1.7x faster (README, "bf16 autocast")
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
             losses = step_losses(net, heads, batch, teacher_net, ground_layer, chain_layer, ground_margin)
         sum(weights[k] * v for k, v in losses.items()).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -653,9 +668,9 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
     net.set_attn_implementation("sdpa")   # what the saved checkpoint is loaded with by default
     net = net.to(torch.bfloat16)   # what is shipped is what is evaluated
     out_dir = Path(out) if out else WEIGHTS / model
-    save(net, tokenizer, out_dir)
+    save(net.cpu(), tokenizer, out_dir)   # the checkpoint is written from the CPU, whatever trained it
     eval_seeds = range(eval_videos)
-    f1 = caption_f1(net.float(), tokenizer, eval_seeds, eval_seconds)
+    f1 = caption_f1(net.to(device).float(), tokenizer, eval_seeds, eval_seconds)
     result = {"model": model, "parameters": n_params, "steps": steps, "batch_size": batch_size, "lr": lr,
               "aux_weight": aux_weight, "event_weight": event_weight, "stretch": stretch, "init": init,
               "teacher": teacher, "distill_weight": distill_weight if teacher else None,
@@ -664,6 +679,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
               "chain_weight": chain_weight, "chain_layer": chain_layer, "text_shift": text_shift,
               "clause_gap": clause_gap, "ground_margin": ground_margin, "ground_before": ground_before, "codec": codec,
               "dense_gap": list(dense_gap) if dense_gap else None, "dense_share": dense_share if dense_gap else None,
+              "device": str(device), "device_name": device_name, "loader_workers": loader_workers,
               "seconds": list(seconds), "warm_seconds": list(warm_seconds), "ramp": ramp, "train_s": round(time.perf_counter() - t0, 1), "history": history,
               f"f1_at_{eval_seconds:g}s": round(f1, 4), "eval_seeds": list(eval_seeds)}
     if init and (Path(init) / "training.json").is_file():   # keep the whole recipe: earlier stages first
@@ -671,6 +687,56 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
     (out_dir / "training.json").write_text(json.dumps(result, indent=1) + "\n")
     log.info("%s: caption F1 %.3f on %d held-out %g-s videos; saved to %s", model, f1, eval_videos, eval_seconds, out_dir)
     return result
+
+
+def resolve_device(device: str) -> torch.device:
+    """The device `device` names: "auto" (the GPU when CUDA has one, else the CPU), "cpu", "cuda" or
+    "cuda:N". A ValueError naming the setting for anything else, or for a GPU this machine lacks."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: auto, cpu, cuda or cuda:N")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: CUDA has no GPU here (torch {torch.__version__}); "
+                             "use device=cpu, or auto")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}: this machine has GPUs 0..{torch.cuda.device_count() - 1}")
+    return resolved
+
+
+def loader_workers_for(device: torch.device, loader_workers: int | None) -> int:
+    """The DataLoader processes that make batches: `loader_workers`, or by default 1 on the CPU (the
+    training itself needs the cores) and on a GPU all cores but two (the training loop and the
+    pinning thread): a batch of 8 32-s target videos takes ~0.1 s of one core to render, ~0.5 s
+    through H.264 (`codec`), longer than a toy model's step on a GPU."""
+    if loader_workers is None:
+        if device.type == "cpu":
+            return 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, min(16, cores - 2))
+    if isinstance(loader_workers, bool) or not isinstance(loader_workers, int) or loader_workers < 0:
+        raise ValueError(f"loader_workers={loader_workers!r}: the processes making batches, an int >= 0 "
+                         "(0: in the training process), or null for the device's default")
+    return loader_workers
+
+
+def to_device(x, device: torch.device):
+    """`x` with every tensor in it (through dicts, lists and tuples) on `device`, dtype kept; one
+    already there is returned as is, a pinned one is copied without waiting for the copy."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=x.device.type == "cpu" and device.type == "cuda" and x.is_pinned())
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):      # a namedtuple
+        return type(x)(*(to_device(v, device) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_device(v, device) for v in x)
+    return x
 
 
 def _looking_layer(name: str, layer: int | None, default: int, weight: float, model: str, layers: int) -> int | None:

@@ -35,6 +35,7 @@ def test_a_few_steps_write_a_checkpoint_that_loads_like_a_real_one(tmp_path):
     assert len(result["history"]) == 3 and all(np.isfinite(h["loss"]) for h in result["history"])
     saved = json.loads((tmp_path / "ck" / "training.json").read_text())
     assert saved["steps"] == 3 and 0.0 <= saved["f1_at_4s"] <= 1.0
+    assert saved["device"] == ("cuda" if torch.cuda.is_available() else "cpu") and saved["loader_workers"] >= 1
     lm = load_model(str(tmp_path / "ck"), name="d")
     assert lm.fps == 2.0 and lm.frame_size == (84, 84)
     from safetensors import safe_open
@@ -356,3 +357,115 @@ def test_a_share_of_the_examples_come_from_a_denser_world_with_longer_answers(tm
         train("qwen-draft", steps=1, dense_gap=[0.5, 1.0], progress=False)     # moves would overlap
     with pytest.raises(ValueError, match="dense_share"):
         train("qwen-draft", steps=1, dense_gap=[1.0, 2.0], dense_share=2, progress=False)
+
+
+def test_the_device_is_resolved_before_any_work_and_a_missing_gpu_is_refused(monkeypatch):
+    import os
+
+    import pytest
+
+    from models.toy.train import loader_workers_for, resolve_device
+
+    gpu = torch.cuda.is_available()
+    assert resolve_device("auto") == torch.device("cuda" if gpu else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not gpu:
+        with pytest.raises(ValueError, match="device='cuda'.*no GPU"):
+            resolve_device("cuda")
+    with pytest.raises(ValueError, match="device='cuda:99'"):
+        resolve_device("cuda:99")
+    for bad in ("bogus", "mps", "meta"):
+        with pytest.raises(ValueError, match=f"device='{bad}': auto, cpu, cuda or cuda:N"):
+            resolve_device(bad)
+    with pytest.raises(ValueError, match="device='bogus'"):
+        train("qwen-draft", steps=1, device="bogus", progress=False)
+    assert loader_workers_for(torch.device("cpu"), None) == 1 and loader_workers_for(torch.device("cpu"), 0) == 0
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert loader_workers_for(torch.device("cuda"), None) == 14 and loader_workers_for(torch.device("cuda"), 3) == 3
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(ValueError, match="loader_workers="):
+            loader_workers_for(torch.device("cpu"), bad)
+
+
+def test_to_device_moves_every_tensor_of_a_nested_batch_and_keeps_dtypes():
+    from collections import namedtuple
+
+    from models.toy.train import to_device
+
+    Pair = namedtuple("Pair", "a b")
+    batch = {"ids": torch.zeros(2, 3, dtype=torch.int64), "more": [torch.ones(2, dtype=torch.bfloat16),
+             (torch.zeros(1, dtype=torch.bool), "text")], "pair": Pair(torch.zeros(1), 3), "n": 7}
+    moved = to_device(batch, torch.device("meta"))
+    assert moved["ids"].device.type == "meta" and moved["ids"].dtype == torch.int64 and moved["ids"].shape == (2, 3)
+    assert moved["more"][0].dtype == torch.bfloat16 and moved["more"][0].device.type == "meta"
+    inner = moved["more"][1]
+    assert isinstance(inner, tuple) and inner[0].device.type == "meta" and inner[1] == "text"
+    assert isinstance(moved["pair"], Pair) and moved["pair"].a.device.type == "meta" and moved["pair"].b == 3
+    assert moved["n"] == 7 and batch["ids"].device.type == "cpu"          # the input is left as it was
+    same = to_device(batch, torch.device("cpu"))
+    assert same["ids"] is batch["ids"] and same["more"][0] is batch["more"][0]     # already there: no copy
+
+
+def test_the_training_step_makes_every_tensor_on_its_batchs_device():
+    """What runs on a GPU cannot be run here, but what would break it can be seen: a tensor that
+    step_losses (or the losses and positions it calls) makes without `device=` lands on the CPU."""
+    import sys
+
+    from torch.overrides import TorchFunctionMode
+    from transformers import AutoModelForImageTextToText
+
+    import models.toy.train as trainer
+
+    factories = {torch.ones, torch.zeros, torch.full, torch.empty, torch.arange, torch.tensor, torch.as_tensor,
+                 torch.rand, torch.randn, torch.randint, torch.eye, torch.linspace}
+
+    class Deviceless(TorchFunctionMode):
+        """Records the trainer's calls of a tensor factory that name no device."""
+        def __init__(self):
+            super().__init__()
+            self.found = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            caller = sys._getframe(1)
+            if func in factories and "device" not in kwargs and caller.f_code.co_filename == trainer.__file__:
+                self.found.append(f"torch.{func.__name__} in {caller.f_code.co_name}, line {caller.f_lineno}")
+            return func(*args, **kwargs)
+
+    torch.manual_seed(0)
+    for name in ("qwen-draft", "llava-draft"):
+        config = zoo_config(name)
+        net = AutoModelForImageTextToText.from_config(config)
+        net.set_attn_implementation("eager")
+        teacher = AutoModelForImageTextToText.from_config(config).eval()
+        hidden = config.text_config.hidden_size
+        heads = {"cells": torch.nn.Linear(hidden, sum(len(v) for v in AUX.values())),
+                 "events": torch.nn.Linear(hidden, len(trainer.EVENT_CLASSES))}
+        batch = next(iter(Batches(name, 2, (3, 3), 0, text_shift=5, clause_gap=2)))
+        with Deviceless() as mode:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses = trainer.step_losses(net, heads, batch, teacher, 1, 1, 2.0)
+            sum(losses.values()).backward()
+        assert set(losses) == {"lm", "cells", "events", "distill", "ground", "chain"}, name
+        assert mode.found == [], name
+
+
+def test_each_loader_worker_follows_the_curriculum_of_the_training_steps():
+    """The DataLoader takes batches from its workers in turn; with 2 workers the loader's batches
+    still widen step by step (warm 2 s to 6 s over 4 batches: 2, 3, 4, 5, 6, 6 s), not twice as slowly."""
+    import itertools
+
+    loader = torch.utils.data.DataLoader(Batches("qwen-draft", 1, (6, 6), 0, (2, 2), ramp_batches=4),
+                                         batch_size=None, num_workers=2)
+    seconds = [int(b["video_grid_thw"][0, 0]) for b in itertools.islice(loader, 6)]   # 2 fps, 2 frames a patch
+    assert seconds == [2, 3, 4, 5, 6, 6]
+
+
+def test_training_on_the_cpu_in_process_records_its_device(tmp_path):
+    threads = torch.get_num_threads()
+    result = train("qwen-draft", steps=1, batch_size=1, seconds=(2, 2), warm_seconds=(2, 2), warmup=1, eval_seconds=2,
+                   eval_videos=1, log_every=1, device="cpu", loader_workers=0, out=str(tmp_path / "ck"), progress=False)
+    saved = json.loads((tmp_path / "ck" / "training.json").read_text())
+    assert (saved["device"], saved["device_name"], saved["loader_workers"]) == ("cpu", None, 0)
+    assert result["device"] == "cpu" and np.isfinite(result["history"][0]["loss"])
+    assert torch.get_num_threads() == threads        # batches made in process leave training its threads
