@@ -70,15 +70,17 @@ def load_requests(data: Any) -> list[Request]:
     return [Request(id="0", video=None, prompt=prompt)]
 
 
-def toy_requests(videos: int = 8, seconds: float = 30, first_seed: int = 0, fps: float = 2.0, size: int = 84,
-                 prompt: str | None = None) -> list[Request]:
+def toy_requests(videos: int = 8, seconds: float = 30, first_seed: int = 0, fps: float = 2.0, size: int | list = 84,
+                 prompt: str | None = None, chunk_s: float | None = None, workers: int | None = None) -> list[Request]:
     """`videos` held-out toy-world videos (seeds first_seed.., below the training seeds), made once
-    into the cache, each request carrying its truth as the reference."""
+    into the cache, each request carrying its truth as the reference. size: a side or [H, W];
+    chunk_s, workers: encode a long video in pieces, in parallel (models.toy.world.make_video)."""
     from models.toy.world import ensure_video
 
+    size = size if isinstance(size, int) else tuple(size)     # a side, or [H, W] from the config
     out = []
     for seed in range(first_seed, first_seed + videos):
-        path, truth = ensure_video(seed, seconds, fps, size)
+        path, truth = ensure_video(seed, seconds, fps, size, chunk_s=chunk_s, workers=workers)
         out.append(Request(id=f"s{seed}-{seconds:g}s", video=str(path), prompt=prompt or "describe the video .",
                            reference=truth.to_dict()))
     return out

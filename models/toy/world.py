@@ -303,13 +303,18 @@ def _hw(size: int | tuple[int, int]) -> tuple[int, int]:
     return int(h), int(w)
 
 
-def render(world: World, fps: float, size: int | tuple[int, int]) -> Iterator[np.ndarray]:
-    """The video's frames, uint8 [H, W, 3] RGB, a new array each. `size` is a side or (H, W)."""
+def render(world: World, fps: float, size: int | tuple[int, int],
+           frames: range | None = None) -> Iterator[np.ndarray]:
+    """The video's frames, uint8 [H, W, 3] RGB, a new array each. `size` is a side or (H, W);
+    `frames` (default: all) picks which, by index, so a long video can be rendered in pieces."""
     h, w = _hw(size)
     n = frame_count(world.seconds, fps)
+    frames = range(n) if frames is None else frames
+    if frames.step != 1 or not 0 <= frames.start <= frames.stop <= n:
+        raise ValueError(f"frames={frames}: a contiguous range within the video's {n} frames")
     backgrounds = {kind: _background(kind, h, w) for kind in BACKGROUNDS}
     unit = min(h, w)
-    for scene in _scenes(world, (k / fps for k in range(n))):
+    for scene in _scenes(world, (k / fps for k in frames)):
         frame = backgrounds[scene.background].copy()
         for s in scene.sprites:
             _paste(frame, _mask(s.shape, max(3, round(SIZE_OF[s.size] * unit))), COLORS[s.color],
@@ -378,21 +383,85 @@ def _paste(frame: np.ndarray, alpha: np.ndarray, color, cy: float, cx: float) ->
 # ------------------------------------------------------------------------------------- video
 
 def make_video(seed: int, seconds: float, fps: float, size: int | tuple[int, int], path, *,
-               crf: int = 18, gop_s: float = 2.0) -> Truth:
-    """Renders the world of (`seed`, `seconds`) and encodes it as H.264 (yuv420p, a keyframe
-    every `gop_s` s, no scene-cut keyframes) in an mp4 at `path`; returns its truth."""
+               crf: int = 18, gop_s: float = 2.0, chunk_s: float | None = None, workers: int = 1) -> Truth:
+    """Renders the world of (`seed`, `seconds`) and encodes it as H.264 (yuv420p, a keyframe every
+    `gop_s` s, no scene-cut keyframes) in an mp4 at `path`; returns its truth.
+
+    chunk_s: encode the video as independent pieces of this many seconds (rounded to whole GOPs),
+    `workers` of them at a time in processes, joined without re-encoding. For long videos: one
+    libx264 on 1080p renders and encodes ~50 frames/s here, so 30 min at 24 fps would take ~15 min.
+    The pieces depend on `chunk_s` only, never on `workers`, so the file is the same for any
+    number of workers; it differs from the unchunked encode only in the encoder's rate control
+    near each piece's start."""
     world = make_world(seed, seconds)
     h, w = _hw(size)
     if h % 2 or w % 2:
         raise ValueError(f"H.264 4:2:0 needs an even height and width, got {h}x{w}")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    encode_h264(render(world, fps, (h, w)), fps, str(path), crf=crf, gop_s=gop_s)
+    if chunk_s is None:
+        encode_h264(render(world, fps, (h, w)), fps, str(path), crf=crf, gop_s=gop_s)
+        return world.truth
+    pieces = chunk_ranges(frame_count(seconds, fps), fps, chunk_s, gop_s)
+    _encode_pieces(seed, seconds, fps, (h, w), pieces, Path(path), crf=crf, gop_s=gop_s, workers=workers)
     return world.truth
 
 
-def encode_h264(frames, fps: float, out, *, crf: int = 18, gop_s: float = 2.0) -> None:
+def chunk_ranges(n_frames: int, fps: float, chunk_s: float, gop_s: float) -> list[range]:
+    """Frame ranges of about `chunk_s` s each, every one starting on a keyframe (a whole number of
+    GOPs of round(gop_s * fps) frames), covering 0..n_frames."""
+    if not chunk_s > 0:
+        raise ValueError(f"chunk_s={chunk_s}: the length of an independently encoded piece, > 0 s")
+    gop = max(1, round(gop_s * fps))
+    step = gop * max(1, round(chunk_s * fps / gop))
+    return [range(a, min(a + step, n_frames)) for a in range(0, n_frames, step)]
+
+
+def _encode_piece(job) -> str:
+    seed, seconds, fps, hw, frames, out, crf, gop_s = job
+    encode_h264(render(make_world(seed, seconds), fps, hw, frames), fps, out, crf=crf, gop_s=gop_s,
+                first_pts=frames.start, threads=1)
+    return out
+
+
+def _encode_pieces(seed, seconds, fps, hw, pieces: list[range], path: Path, *, crf, gop_s, workers: int) -> None:
+    """Encodes each piece to its own mp4 in a temporary folder beside `path` (in `workers`
+    processes), then copies their packets, in order, into `path`."""
+    import concurrent.futures
+    import multiprocessing
+    import shutil
+    import tempfile
+
+    import av
+    from tqdm import tqdm
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.stem}.", dir=path.parent))
+    try:
+        jobs = [(seed, seconds, fps, hw, r, str(tmp / f"{i:05d}.mp4"), crf, gop_s) for i, r in enumerate(pieces)]
+        # spawn, not fork: the caller may hold threads (torch, the engine's workers)
+        with concurrent.futures.ProcessPoolExecutor(max(1, workers), mp_context=multiprocessing.get_context("spawn")) as pool:
+            files = list(tqdm(pool.map(_encode_piece, jobs), total=len(jobs), desc=f"encoding {path.name}",
+                              unit="piece", mininterval=5, disable=len(jobs) < 4))
+        with av.open(str(path), "w", format="mp4") as out:
+            stream = None
+            for name in files:
+                with av.open(name) as piece:
+                    src = piece.streams.video[0]
+                    if stream is None:
+                        stream = out.add_stream_from_template(src)
+                    for packet in piece.demux(src):
+                        if packet.dts is None:      # the demuxer's end-of-stream marker
+                            continue
+                        packet.stream = stream
+                        out.mux(packet)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def encode_h264(frames, fps: float, out, *, crf: int = 18, gop_s: float = 2.0, first_pts: int = 0,
+                threads: int | None = None) -> None:
     """Encodes RGB frames (uint8 [H, W, 3] each) as H.264 (yuv420p, a keyframe every `gop_s` s, no
-    scene-cut keyframes) into an mp4 at `out`, a path or a writable binary file."""
+    scene-cut keyframes) into an mp4 at `out`, a path or a writable binary file. The first frame is
+    shown at `first_pts` / fps s (a piece of a longer video); threads: libx264's (None: its own choice)."""
     import av
 
     rate = Fraction(fps).limit_denominator(1001)
@@ -405,8 +474,10 @@ def encode_h264(frames, fps: float, out, *, crf: int = 18, gop_s: float = 2.0) -
                 stream.width, stream.height, stream.pix_fmt = rgb.shape[1], rgb.shape[0], "yuv420p"
                 stream.options = {"preset": "veryfast", "crf": str(crf),
                                   "x264-params": f"keyint={gop}:min-keyint={gop}:scenecut=0"}
+                if threads is not None:
+                    stream.options |= {"threads": str(threads)}
             frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")   # converted to yuv420p by the encoder
-            frame.pts, frame.time_base = i, 1 / rate
+            frame.pts, frame.time_base = first_pts + i, 1 / rate
             container.mux(stream.encode(frame))
         if stream is not None:
             container.mux(stream.encode(None))
@@ -533,19 +604,25 @@ def _lcs_length(a: list, b: list) -> int:
     return len(a) - v.bit_count()
 
 
-def ensure_video(seed: int, seconds: float, fps: float = 2.0, size: int = 84, cache_dir=None) -> tuple[Path, Truth]:
+def ensure_video(seed: int, seconds: float, fps: float = 2.0, size: int | tuple[int, int] = 84, cache_dir=None, *,
+                 chunk_s: float | None = None, workers: int | None = None) -> tuple[Path, Truth]:
     """The toy video of (`seed`, `seconds`) made once into the cache (`$REELFLOW_CACHE/toy`, else
     ~/.cache/reelflow/toy) with its truth beside it as JSON; written under a temporary name and
-    renamed, so an interrupted run never leaves a file that looks complete."""
+    renamed, so an interrupted run never leaves a file that looks complete. `size` is a side or
+    (H, W); chunk_s, workers: see `make_video` (workers None: one per core); a chunked video is its
+    own cache entry, since its bits differ a little from the unchunked encode."""
     import json
     import os
 
+    h, w = _hw(size)
     root = Path(cache_dir) if cache_dir else Path(os.environ.get("REELFLOW_CACHE", Path.home() / ".cache" / "reelflow")) / "toy"
-    path = root / f"toy-s{seed}-{seconds:g}s-{fps:g}fps-{size}px.mp4"
+    side = f"{h}" if h == w else f"{w}x{h}"
+    chunked = f"-chunks{chunk_s:g}s" if chunk_s is not None else ""
+    path = root / f"toy-s{seed}-{seconds:g}s-{fps:g}fps-{side}px{chunked}.mp4"
     truth_path = path.with_suffix(".json")
     if not (path.is_file() and truth_path.is_file()):
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.mp4")
-        truth = make_video(seed, seconds, fps, size, tmp)
+        truth = make_video(seed, seconds, fps, (h, w), tmp, chunk_s=chunk_s, workers=workers or os.cpu_count() or 1)
         truth_path.write_text(json.dumps(truth.to_dict()) + "\n")
         tmp.replace(path)
     return path, Truth.from_dict(json.loads(truth_path.read_text()))

@@ -106,6 +106,41 @@ def test_video_has_the_asked_length_fps_and_size(tmp_path, seconds, fps, size):
     assert [round(f.time, 3) for f in frames] == [round(k / fps, 3) for k in range(len(frames))]
 
 
+def test_pieces_start_on_keyframes_and_cover_the_video():
+    from models.toy.world import chunk_ranges
+
+    assert chunk_ranges(100, 8, 6.0, 2.0) == [range(0, 48), range(48, 96), range(96, 100)]   # 6 s: 3 GOPs of 16
+    assert chunk_ranges(10, 8, 0.1, 2.0) == [range(0, 10)]                                  # never under one GOP
+    with pytest.raises(ValueError, match="chunk_s"):
+        chunk_ranges(10, 8, 0, 2.0)
+
+
+def test_render_can_start_anywhere():
+    world = make_world(4, 9)
+    whole = list(render(world, 4, 32))
+    part = list(render(world, 4, 32, range(10, 25)))
+    assert len(part) == 15 and all((a == b).all() for a, b in zip(part, whole[10:25]))
+    with pytest.raises(ValueError, match="frames"):
+        next(render(world, 4, 32, range(30, 40)))
+
+
+def test_a_video_encoded_in_pieces_is_one_stream_whatever_the_workers(tmp_path):
+    seconds, fps = 13, 8
+    truth = make_video(5, seconds, fps, (48, 80), tmp_path / "one.mp4", chunk_s=4, workers=1)
+    assert truth == make_world(5, seconds).truth
+    make_video(5, seconds, fps, (48, 80), tmp_path / "two.mp4", chunk_s=4, workers=2)
+    assert (tmp_path / "one.mp4").read_bytes() == (tmp_path / "two.mp4").read_bytes()
+    frames = decode(tmp_path / "two.mp4")
+    assert [round(f.time, 3) for f in frames] == [round(k / fps, 3) for k in range(seconds * fps)]
+    with av.open(str(tmp_path / "two.mp4")) as container:
+        keys = [i for i, p in enumerate(container.demux(video=0)) if p.dts is not None and p.is_keyframe]
+    assert keys == list(range(0, seconds * fps, 16))                # a keyframe every 2 s, pieces included
+    clean = list(render(make_world(5, seconds), fps, (48, 80)))
+    error = max(np.abs(f.to_ndarray(format="rgb24").astype(int) - c).mean() for f, c in zip(frames, clean))
+    assert error < 3, error                                         # compression, not misplaced frames
+    assert not list(tmp_path.glob(".*"))                            # the pieces' folder is gone
+
+
 def test_colors_survive_h264_at_64px(tmp_path):
     palette = np.array(list(COLORS.values()), np.float32)
     for seed in (5, 6):
