@@ -123,7 +123,8 @@ def build_config(base, name: str, overrides: dict):
         half = config.text_config.hidden_size // config.text_config.num_attention_heads // 2
         config.text_config.rope_parameters = {**config.text_config.rope_parameters,
                                               "mrope_section": [half // 4, 3 * half // 8, 3 * half // 8]}
-    config.text_config.max_position_embeddings = 128000
+    if "max_position_embeddings" not in overrides:      # the published context, unless a variant asks for more
+        config.text_config.max_position_embeddings = 128000
     config.text_config.tie_word_embeddings = config.tie_word_embeddings = tie
     return config
 
