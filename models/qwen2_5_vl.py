@@ -27,6 +27,12 @@ class QwenVL(VideoLM):
     def __init__(self, model, tokenizer, preprocess: dict, name: str):
         super().__init__(model, tokenizer, preprocess, name)
         self.vision = model.config.vision_config
+        if "flash" not in (self.vision._attn_implementation or ""):
+            # window attention in one call per window length, not one per window (models/vision_attention.py)
+            from models.vision_attention import NAME, register
+
+            register()
+            self.vision._attn_implementation = NAME
         self.placeholder_id = model.config.video_token_id
         self.mean = tuple(preprocess.get("image_mean", CLIP_MEAN))
         self.std = tuple(preprocess.get("image_std", CLIP_STD))
@@ -59,7 +65,8 @@ class QwenVL(VideoLM):
 
     def generate_inputs(self, layout, frames: torch.Tensor, fps: float) -> dict:
         """The same prompt as `model.generate()` takes it (for checks against the unmodified model)."""
-        flat, grid = qwen_video_patches(frames, self.mean, self.std, patch=self.vision.patch_size,
+        # uint8 frames cross to the device (4x fewer bytes than float32 patches), normalised there
+        flat, grid = qwen_video_patches(frames.to(self.device), self.mean, self.std, patch=self.vision.patch_size,
                                         temporal=self.vision.temporal_patch_size, merge=self.vision.spatial_merge_size)
         ids = layout.ids[None].to(self.device)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
@@ -70,7 +77,8 @@ class QwenVL(VideoLM):
 
     @torch.inference_mode()
     def encode(self, frames, *, last=True):
-        flat, grid = qwen_video_patches(frames, self.mean, self.std, patch=self.vision.patch_size,
+        # uint8 frames cross to the device (4x fewer bytes than float32 patches), normalised there
+        flat, grid = qwen_video_patches(frames.to(self.device), self.mean, self.std, patch=self.vision.patch_size,
                                         temporal=self.vision.temporal_patch_size, merge=self.vision.spatial_merge_size)
         # the grid goes where the tower runs: it computes rotary positions from it on its device
         out = self.model.model.get_video_features(flat.to(self.device, self.dtype), torch.tensor([grid], device=self.device))
