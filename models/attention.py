@@ -4,7 +4,12 @@ Measured on 2 CPU cores (DESIGN pitfall 3): torch's sdpa scores 2-16 new tokens 
 at ~6x the cost of one token, because with an explicit mask it leaves its fused kernel; a
 speculative verifier pays that every round. For a query of at most `SMALL_QUERY` tokens this
 function computes softmax(q kᵀ · scale + mask) v directly, one matmul per KV head group (no
-repeated keys), in float32 softmax, and hands larger queries to transformers' own sdpa function.
+repeated keys), in float32 softmax. A larger query over a cache it hands to sdpa with a
+bottom-right causal bias: a prefill group after earlier ones (QuickPrefill) attends to all of the
+cache and causally within itself, which with transformers' [q, k] mask ran in sdpa's masked kernel
+at ~76 TFLOP/s on an H100 (a 4096-token group over 46K cached entries of a 7B-shaped model took
+1.0 s; README, "Real-size shapes on a GPU"); the causal bias lets sdpa pick its flash kernel.
+Anything else (padding, other mask rules, training) goes to transformers' own sdpa function.
 
 Registered with transformers' AttentionInterface (and the sdpa mask function) as "reelflow", so a
 model loaded with attn_implementation="reelflow" runs it inside its own attention modules:
@@ -80,23 +85,42 @@ def reelflow_attention(module, query, key, value, attention_mask, dropout: float
 
     _record_last_row(module, query, key, attention_mask, scaling if scaling is not None else query.shape[-1] ** -0.5)
 
-    if query.shape[2] > SMALL_QUERY or dropout or module.training:
+    if dropout or module.training or (query.shape[2] > SMALL_QUERY and attention_mask is not None):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    if query.shape[2] > SMALL_QUERY:       # mask None: the plain causal rule, the query the last q of the keys
+        return causal_attention(query, key, value, scaling), None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if attention_mask is not None and attention_mask.shape[-1] != key.shape[2]:
         attention_mask = attention_mask[..., : key.shape[2]]
     return grouped_attention(query, key, value, attention_mask, scale), None
 
 
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Bottom-right causal attention of the q queries, the last q of the k keys' positions.
+    query [b, h, q, d]; key, value [b, kv_h, k, d]. -> [b, q, h, d]."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    group = query.shape[1] // key.shape[1]
+    if group > 1:     # heads grouped as transformers' repeat_kv lays them out
+        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    q, k = query.shape[2], key.shape[2]
+    if q == k:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q, k),
+                                                               scale=scaling)
+    return out.transpose(1, 2)
+
+
 def reelflow_mask(batch_size: int, q_length: int, kv_length: int, *args, attention_mask=None, local_size=None, **kwargs):
-    """sdpa's mask, except for a short query over an unpadded cache under the plain causal rule:
-    None, which `grouped_attention` reads as bottom-right causal without building a [q, k] mask
-    (building it costs as much as the attention at 8K entries)."""
+    """sdpa's mask, except for a query over an unpadded cache under the plain causal rule: None,
+    which `reelflow_attention` reads as bottom-right causal without building a [q, k] mask
+    (building it costs as much as the attention at 8K entries, and it keeps sdpa off its flash kernel)."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     plain = kwargs.get("mask_function", causal_mask_function) is causal_mask_function
-    if q_length <= SMALL_QUERY and attention_mask is None and local_size is None and plain:
+    if attention_mask is None and local_size is None and plain:
         return None
     return sdpa_mask(batch_size, q_length, kv_length, *args, attention_mask=attention_mask, local_size=local_size,
                      **kwargs)

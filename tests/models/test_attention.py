@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.attention import grouped_attention
+from models.attention import causal_attention, grouped_attention, reelflow_mask
 
 
 def reference(query, key, value, mask, scale):
@@ -26,6 +26,24 @@ def test_grouped_attention_matches_sdpa_with_bottom_right_causal_mask(q, k, head
     expected = reference(query, key, value, causal, 0.25)
     torch.testing.assert_close(grouped_attention(query, key, value, None, 0.25), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grouped_attention(query, key, value, causal, 0.25), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("q, k, heads, kv_heads", [(40, 100, 4, 2), (64, 64, 4, 4), (33, 500, 8, 1)])
+def test_a_long_query_over_a_cache_is_bottom_right_causal(q, k, heads, kv_heads):
+    """What a prefill group after earlier ones computes (sdpa with a causal bias, no [q, k] mask)."""
+    g = torch.Generator().manual_seed(q + k)
+    query = torch.randn(1, heads, q, 16, generator=g)
+    key, value = torch.randn(1, kv_heads, k, 16, generator=g), torch.randn(1, kv_heads, k, 16, generator=g)
+    causal = (torch.arange(k)[None, :] <= torch.arange(q)[:, None] + (k - q))[None, None]
+    torch.testing.assert_close(causal_attention(query, key, value, 0.25), reference(query, key, value, causal, 0.25),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_the_mask_is_left_to_the_attention_only_under_the_plain_causal_rule():
+    assert reelflow_mask(1, 100, 400, cache_position=torch.arange(300, 400)) is None
+    padded = torch.ones(1, 400, dtype=torch.bool)
+    padded[0, 0] = False
+    assert reelflow_mask(1, 100, 400, cache_position=torch.arange(300, 400), attention_mask=padded) is not None
 
 
 def test_grouped_attention_applies_an_explicit_mask():
@@ -63,3 +81,10 @@ def test_a_model_with_reelflow_attention_decodes_like_generate(tmp_path):
     block = ours.score(block_cache, torch.tensor(tokens[:6]), layout.length, layout)
     steps = torch.cat([ours.score(step_cache, torch.tensor([t]), layout.length + i, layout) for i, t in enumerate(tokens[:6])])
     torch.testing.assert_close(block, steps, rtol=1e-3, atol=1e-3)    # fp32 rounding of logits ~10
+    # the prompt prefilled in two spans (a group over a cache: the bottom-right causal path) gives
+    # the one-shot prefill's logits
+    split = layout.video_start + 40
+    two_cache = ours.new_cache()
+    ours.prefill(two_cache, embeds[:split], layout.positions[:, :split], logits="none")
+    torch.testing.assert_close(ours.prefill(two_cache, embeds[split:], layout.positions[:, split:]),
+                               plain.prefill(plain.new_cache(), embeds, layout.positions), rtol=1e-4, atol=1e-4)
