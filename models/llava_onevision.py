@@ -49,6 +49,6 @@ class LlavaOneVision(VideoLM):
 
     @torch.inference_mode()
     def encode(self, frames, *, last=True):
-        pixels = siglip_video_pixels(frames, self.mean, self.std)[None].to(self.device, self.dtype)
+        pixels = siglip_video_pixels(frames.to(self.device), self.mean, self.std)[None].to(self.dtype)
         out = self.model.model.get_video_features(pixels).pooler_output[0]   # [n * side^2 + 1, d]
         return out if last else out[:-1]

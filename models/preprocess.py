@@ -20,8 +20,8 @@ SIGLIP_MEAN, SIGLIP_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
 def normalized(frames: torch.Tensor, mean, std) -> torch.Tensor:
     """uint8 [n, 3, H, W] -> float32 [n, 3, H, W], (x / 255 - mean) / std per channel."""
     x = frames.to(torch.float32).div_(255.0)
-    mean = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
-    std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
+    mean = torch.tensor(mean, dtype=torch.float32, device=frames.device).view(1, 3, 1, 1)
+    std = torch.tensor(std, dtype=torch.float32, device=frames.device).view(1, 3, 1, 1)
     return x.sub_(mean).div_(std)
 
 
