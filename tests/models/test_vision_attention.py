@@ -38,11 +38,26 @@ def test_it_refuses_what_is_not_window_attention():
         vision_attention.packed_sdpa_attention(torch.nn.Module(), q, q, q)
 
 
-def test_the_qwen_adapter_encodes_as_transformers_own_window_loop():
+def test_the_qwen_adapter_encodes_as_transformers_own_window_loop(monkeypatch):
+    from transformers import AttentionInterface
+
     lm = load_model(TOWER)
     assert lm.vision._attn_implementation == vision_attention.NAME       # the tower only
     assert lm.text_config._attn_implementation == "sdpa"
-    frames = torch.randint(0, 256, (4, 3, 224, 224), dtype=torch.uint8)   # 16 windows of 16 tokens per frame
-    packed = lm.encode(frames)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(len(kwargs["cu_seq_lens_q"]) - 1)
+        return vision_attention.packed_sdpa_attention(*args, **kwargs)
+
+    AttentionInterface.register(vision_attention.NAME, counted)
+    try:
+        frames = torch.randint(0, 256, (4, 3, 224, 224), dtype=torch.uint8)   # 4 windows of 64 patches per step
+        packed = lm.encode(frames)
+    finally:
+        vision_attention.register()
+    # transformers still hands the packed windows to it: one call per block, not one per window
+    # (2 temporal steps of 4 windows in the windowed blocks, 2 whole steps in the last, full, one)
+    assert calls == [8] * 7 + [2]
     lm.vision._attn_implementation = "sdpa"                               # transformers: one call per window
     torch.testing.assert_close(packed, lm.encode(frames))
