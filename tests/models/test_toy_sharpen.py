@@ -1,6 +1,7 @@
 """models/toy/sharpen.py: a checkpoint whose queries are scaled, i.e. sharper attention."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -30,3 +31,22 @@ def test_a_bad_scale_or_layer_is_refused():
         sharpen(model, 0)
     with pytest.raises(ValueError, match="layers 0.."):
         sharpen(model, 1.2, [99])
+
+
+def test_the_context_dependent_scale_is_one_up_to_the_length_and_grows_past_it():
+    from models.toy.sharpen import logn_factor
+
+    n = torch.tensor([1, 100, 400, 1600])
+    torch.testing.assert_close(logn_factor(n, 400, 2.0), torch.tensor([1.0, 1.0, 1.0, (math.log(1600) / math.log(400)) ** 2]),
+                               rtol=1e-3, atol=1e-3)
+    assert torch.equal(logn_factor(n, 400, 0.0), torch.ones(4))
+
+
+def test_the_probe_at_power_zero_is_the_plain_model():
+    from models.toy.sharpen import probe_logn
+    from models.toy.tokenizer import build_tokenizer
+    from models.toy.train import caption_f1
+
+    (row,) = probe_logn(str(WEIGHTS / "qwen-draft"), 50, [0], [6], range(200, 202))
+    plain = AutoModelForImageTextToText.from_pretrained(WEIGHTS / "qwen-draft", dtype=torch.float32)
+    assert row["f1"] == round(caption_f1(plain, build_tokenizer("qwen2_5_vl"), range(200, 202), 6.0), 4)
