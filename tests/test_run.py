@@ -281,9 +281,9 @@ def test_speculative_methods_give_the_autoregressive_answer_on_the_sample(tmp_pa
 def test_the_gpu_figure5_benchmark_runs_at_a_small_size_on_the_cpu(tmp_path):
     """bench_quickvideo_gpu is meant for a lent GPU, which most sessions lack: its graph, data and
     report are checked here with a two-layer variant of the same shape on a 20-s 1080p-aspect video."""
-    tiny = ("random:qwen2.5-vl-7b,num_hidden_layers=2,hidden_size=256,intermediate_size=512,num_attention_heads=4,"
-            "num_key_value_heads=2,vision.depth=2,vision.hidden_size=128,vision.intermediate_size=256,vision.num_heads=4")
-    out = run("-m", "+experiment=bench_quickvideo_gpu", f"model.target.path='{tiny}'", "qv_case=sequential,overlapped,ar",
+    from tests.models.test_shapes import TINY
+
+    out = run("-m", "+experiment=bench_quickvideo_gpu", f"model.target.path='{TINY}'", "qv_case=sequential,overlapped,ar",
               "data.toy.seconds=20", "data.toy.size=[108,192]", "model.target.size=112", "resources=cpu",
               "graph.nodes.decode.stage.workers=2", f"hydra.sweep.dir={tmp_path}")
     assert out.returncode == 0, out.stderr
