@@ -547,6 +547,11 @@ def caption_f1(model, tokenizer, seeds, seconds: float) -> float:
     return float(np.mean(f1))
 
 
+# each loss's name in the log and in training.json's history
+LOSS_NAMES = {"lm": "loss", "cells": "aux_loss", "events": "event_loss", "distill": "distill_loss",
+              "ground": "ground_loss", "chain": "chain_loss"}
+
+
 def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, warmup: int = 100,
           seconds: tuple = (8, 32), warm_seconds: tuple = (2, 12), ramp: float = 0.5, seed: int = 0, eval_seconds: float = 30.0, eval_videos: int = 8,
           aux_weight: float = 1.0, event_weight: float = 0.0, stretch: float = 1.0, init: str | None = None,
@@ -555,12 +560,14 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
           chain_weight: float = 0.0, chain_layer: int | None = None, text_shift: int = 0, clause_gap: int = 0,
           ground_margin: float = 1.0, ground_before: bool = False, codec: bool = False,
           dense_gap: tuple | None = None, dense_share: float = 0.5, device: str = "auto",
-          loader_workers: int | None = None,
+          loader_workers: int | None = None, max_minutes: float | None = None,
           log_every: int = 50, eval_every: int = 250, out: str | None = None, progress: bool | None = None) -> dict:
     """Trains zoo model `model` and saves it under `out` (default models/toy/weights/<model>).
     The training-only parts are off here; conf/experiment/train_toy.yaml turns on the zoo's recipe.
     `device`: where the model trains (resolve_device); `loader_workers`: the processes making
-    batches (loader_workers_for)."""
+    batches (loader_workers_for). `max_minutes`: stop after this much training time and save what
+    is there (a lent GPU's commands end at 10 minutes, and a killed run saves nothing); the learning
+    rate still follows the schedule for `steps`, and training.json records the steps done."""
     from tqdm import tqdm
     from transformers import AutoModelForImageTextToText
 
@@ -599,6 +606,8 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
         if len(dense_gap) != 2 or not toy.MOVE_S <= dense_gap[0] <= dense_gap[1]:
             raise ValueError(f"dense_gap={list(dense_gap)}: [low, high] s between events, "
                              f"{toy.MOVE_S} <= low <= high (a move glides for {toy.MOVE_S} s)")
+    if max_minutes is not None and not max_minutes > 0:
+        raise ValueError(f"max_minutes={max_minutes}: the training time allowed, > 0 (null: no limit)")
     if not 0.0 <= dense_share <= 1.0:
         raise ValueError(f"dense_share={dense_share}: the fraction of examples from the denser world, in [0, 1]")
     n_params = sum(p.numel() for p in net.parameters())
@@ -637,6 +646,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
     bar = tqdm(zip(range(steps), loader), total=steps, desc=f"train {model}", disable=progress is False,
                mininterval=5)
     running: dict[str, float] = {}
+    steps_done = 0
     for step, batch in bar:
         batch = to_device(batch, device)
         # bf16 autocast: matmuls in bf16, weights and optimizer in fp32; on these 2 cores (AVX512-BF16)
@@ -652,11 +662,9 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
             running[k] = v.item() if k not in running else 0.95 * running[k] + 0.05 * v.item()
         bar.set_postfix(loss=f"{running['lm']:.3f}", refresh=False)   # drawn at the bar's own pace
         if (step + 1) % log_every == 0 or step + 1 == steps:
-            names = {"lm": "loss", "cells": "aux_loss", "events": "event_loss", "distill": "distill_loss",
-                     "ground": "ground_loss", "chain": "chain_loss"}
             history.append({"step": step + 1, "s": round(time.perf_counter() - t0, 1)}
-                           | {names[k]: round(v, 4) for k, v in running.items()})
-            log.info("step %d %s (%.0f s)", step + 1, " ".join(f"{names[k]} {v:.4f}" for k, v in running.items()),
+                           | {LOSS_NAMES[k]: round(v, 4) for k, v in running.items()})
+            log.info("step %d %s (%.0f s)", step + 1, " ".join(f"{LOSS_NAMES[k]} {v:.4f}" for k, v in running.items()),
                      time.perf_counter() - t0)
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
             # a quick look on short held-out videos: is the model using the video yet?
@@ -665,13 +673,23 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
                 history.append({"step": step + 1, "loss": round(running["lm"], 4), "s": round(time.perf_counter() - t0, 1)})
             history[-1]["f1_at_10s"] = round(quick, 4)
             log.info("step %d: caption F1 %.3f on 4 held-out 10-s videos", step + 1, quick)
+        steps_done = step + 1
+        if max_minutes is not None and time.perf_counter() - t0 > 60 * max_minutes and steps_done < steps:
+            log.warning("max_minutes=%g reached after %d of %d steps: saving what is there", max_minutes,
+                        steps_done, steps)
+            if not history or history[-1]["step"] != steps_done:
+                history.append({"step": steps_done, "s": round(time.perf_counter() - t0, 1)}
+                               | {LOSS_NAMES[k]: round(v, 4) for k, v in running.items()})
+            break
+    bar.close()
     net.set_attn_implementation("sdpa")   # what the saved checkpoint is loaded with by default
     net = net.to(torch.bfloat16)   # what is shipped is what is evaluated
     out_dir = Path(out) if out else WEIGHTS / model
     save(net.cpu(), tokenizer, out_dir)   # the checkpoint is written from the CPU, whatever trained it
     eval_seeds = range(eval_videos)
     f1 = caption_f1(net.to(device).float(), tokenizer, eval_seeds, eval_seconds)
-    result = {"model": model, "parameters": n_params, "steps": steps, "batch_size": batch_size, "lr": lr,
+    result = {"model": model, "parameters": n_params, "steps": steps_done, "steps_planned": steps,
+              "max_minutes": max_minutes, "batch_size": batch_size, "lr": lr,
               "aux_weight": aux_weight, "event_weight": event_weight, "stretch": stretch, "init": init,
               "teacher": teacher, "distill_weight": distill_weight if teacher else None,
               "rope_theta": net.config.text_config.rope_parameters["rope_theta"], "precision": precision,

@@ -5,6 +5,7 @@ training.json; the batches it builds score only the answer."""
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from models.load import load_model
@@ -53,7 +54,6 @@ def test_training_goes_on_from_a_checkpoint_and_keeps_its_recipe(tmp_path):
                    eval_videos=1, out=str(tmp_path / "b"), init=str(first), progress=False)
     saved = json.loads((tmp_path / "b" / "training.json").read_text())
     assert result["init"] == str(first) and saved["init_training"]["steps"] == 2
-    import pytest
     with pytest.raises(ValueError, match="is not a qwen-target checkpoint"):
         train("qwen-target", steps=1, init=str(first), progress=False)
     with pytest.raises(ValueError, match="trained with 1e\\+06"):    # the rotary base belongs to the checkpoint
@@ -74,7 +74,6 @@ def test_the_rotary_base_is_a_zoo_option_for_both_families(tmp_path):
 
 
 def test_an_unknown_precision_is_refused_before_any_work():
-    import pytest
     with pytest.raises(ValueError, match="bf16 .* or fp32"):
         train("qwen-draft", steps=1, precision="fp16", progress=False)
 
@@ -193,7 +192,6 @@ def test_a_margin_asks_for_larger_logit_gaps():
 
 
 def test_grounded_training_runs_eager_and_saves_an_sdpa_checkpoint(tmp_path):
-    import pytest
 
     result = train("qwen-draft", steps=2, batch_size=2, seconds=(4, 6), warm_seconds=(4, 6), warmup=1, eval_seconds=4,
                    eval_videos=1, log_every=1, ground_weight=1.0, out=str(tmp_path / "ck"), progress=False)
@@ -310,7 +308,6 @@ def test_text_moves_leave_half_the_examples_and_the_batch_carries_them():
 
 
 def test_a_chained_shifted_run_logs_its_chain_loss_and_refuses_bad_settings(tmp_path):
-    import pytest
 
     result = train("llava-draft", steps=2, batch_size=2, seconds=(4, 6), warm_seconds=(4, 6), warmup=1, eval_seconds=4,
                    eval_videos=1, log_every=1, ground_weight=1.0, chain_weight=1.0, text_shift=20, clause_gap=4,
@@ -341,7 +338,6 @@ def test_codec_examples_are_the_rendered_frames_through_h264():
 
 
 def test_a_share_of_the_examples_come_from_a_denser_world_with_longer_answers(tmp_path):
-    import pytest
 
     rng = np.random.default_rng(0)
     gaps = Batches("qwen-draft", 400, (2, 4), 0, dense_gap=(1.0, 1.5), dense_share=0.25).gaps(rng)
@@ -362,7 +358,6 @@ def test_a_share_of_the_examples_come_from_a_denser_world_with_longer_answers(tm
 def test_the_device_is_resolved_before_any_work_and_a_missing_gpu_is_refused(monkeypatch):
     import os
 
-    import pytest
 
     from models.toy.train import loader_workers_for, resolve_device
 
@@ -469,3 +464,17 @@ def test_training_on_the_cpu_in_process_records_its_device(tmp_path):
     assert (saved["device"], saved["device_name"], saved["loader_workers"]) == ("cpu", None, 0)
     assert result["device"] == "cpu" and np.isfinite(result["history"][0]["loss"])
     assert torch.get_num_threads() == threads        # batches made in process leave training its threads
+
+
+def test_a_time_budget_stops_training_early_and_saves_what_is_there(tmp_path):
+    """max_minutes: a run that would outlast its budget (a lent GPU's 10-minute command) stops after
+    the step that crossed it, saves a loadable checkpoint and records the steps it did."""
+    result = train("qwen-draft", steps=50, batch_size=1, seconds=(2, 2), warm_seconds=(2, 2), warmup=1, eval_seconds=2,
+                   eval_videos=1, log_every=100, eval_every=0, device="cpu", loader_workers=0, max_minutes=1e-6,
+                   out=str(tmp_path / "ck"), progress=False)
+    saved = json.loads((tmp_path / "ck" / "training.json").read_text())
+    assert (saved["steps"], saved["steps_planned"], saved["max_minutes"]) == (1, 50, 1e-6) and result["steps"] == 1
+    assert saved["history"][-1]["step"] == 1 and np.isfinite(saved["history"][-1]["loss"])
+    assert (tmp_path / "ck" / "model.safetensors").is_file()
+    with pytest.raises(ValueError, match="max_minutes="):
+        train("qwen-draft", steps=1, max_minutes=0, device="cpu", out=str(tmp_path / "bad"), progress=False)
