@@ -55,6 +55,7 @@ class Example:
     answer: str | None
     truth: toy.Truth
     world: toy.World | None = None
+    fps: float | None = None  # the frame rate it was rendered at (None: the zoo's, FPS)
 
 
 def example(seed: int, seconds: float, fps: float, rng: np.random.Generator | None = None, *,
@@ -71,7 +72,7 @@ def example(seed: int, seconds: float, fps: float, rng: np.random.Generator | No
         prompt, answer = pairs[1 + int(rng.integers(len(pairs) - 1))]
     else:
         prompt, answer = pairs[0]
-    return Example(frames, prompt, answer, world.truth, world)
+    return Example(frames, prompt, answer, world.truth, world, fps)
 
 
 def h264_round_trip(frames: np.ndarray, fps: float) -> np.ndarray:
@@ -255,11 +256,12 @@ def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bo
     `ground_before`: the grounding targets include the step before a change (event_tokens)."""
     arch = config.model_type
     rows, labels, pixels, grids, cells, events, grounds, chains, afters = [], [], [], [], [], [], [], [], []
-    for ex in examples:
+    rates = [ex.fps or FPS[arch] for ex in examples]
+    for ex, fps in zip(examples, rates):
+        step = config.vision_config.temporal_patch_size if arch == "qwen2_5_vl" else 1
         if with_answers and ex.world is not None:
-            step = config.vision_config.temporal_patch_size if arch == "qwen2_5_vl" else 1
-            cells.append(cell_labels(ex.world, FPS[arch], ex.frames.shape[0], step))
-            events.append(event_labels(ex.world, FPS[arch], ex.frames.shape[0], step))
+            cells.append(cell_labels(ex.world, fps, ex.frames.shape[0], step))
+            events.append(event_labels(ex.world, fps, ex.frames.shape[0], step))
         if arch == "qwen2_5_vl":
             flat, (t, h, w) = qwen_video_patches(ex.frames, CLIP_MEAN, CLIP_STD)
             pixels.append(flat)
@@ -271,8 +273,8 @@ def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bo
             n_video, placeholder = ex.frames.shape[0] * side * side + 1, config.video_token_index
         ids, video_at = video_prompt_ids(tokenizer, ex.prompt, placeholder, n_video)
         if with_answers and ex.world is not None:
-            tokens = event_tokens(ex.world, FPS[arch], ex.frames.shape[0], step)
-            shown = event_tokens(ex.world, FPS[arch], ex.frames.shape[0], step, before=True) if ground_before else tokens
+            tokens = event_tokens(ex.world, fps, ex.frames.shape[0], step)
+            shown = event_tokens(ex.world, fps, ex.frames.shape[0], step, before=True) if ground_before else tokens
             grounds.append((ex.truth, ex.answer, shown, len(ids), video_at))
             chains.append((tokens, video_at))
         afters.append((video_at + n_video, len(ids)))
@@ -301,8 +303,8 @@ def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bo
     if arch == "qwen2_5_vl":
         batch["pixel_values_videos"] = torch.cat(pixels)
         batch["video_grid_thw"] = torch.tensor(grids)
-        seconds_per_patch = config.vision_config.temporal_patch_size / FPS[arch]
-        batch["second_per_grid_ts"] = torch.tensor([seconds_per_patch * f for f in (stretch or [1.0] * len(rows))])
+        patch = config.vision_config.temporal_patch_size
+        batch["second_per_grid_ts"] = torch.tensor([patch / fps * f for fps, f in zip(rates, stretch or [1.0] * len(rows))])
         batch["mm_token_type_ids"] = (input_ids == config.video_token_id).int() * 2
     else:
         batch["pixel_values_videos"] = torch.stack(pixels)
@@ -367,11 +369,24 @@ class Batches(torch.utils.data.IterableDataset):
     def __init__(self, name: str, batch_size: int, seconds: tuple[float, float], seed: int,
                  warm_seconds: tuple[float, float] | None = None, ramp_batches: int = 0, stretch: float = 1.0,
                  text_shift: int = 0, clause_gap: int = 0, ground_before: bool = False, codec: bool = False,
-                 dense_gap: tuple[float, float] | None = None, dense_share: float = 0.5):
+                 dense_gap: tuple[float, float] | None = None, dense_share: float = 0.5,
+                 fps_scale: tuple[int, int] | None = None, fps_share: float = 0.5):
         self.name, self.batch_size, self.seconds, self.seed = name, batch_size, seconds, seed
         self.warm_seconds, self.ramp_batches, self.stretch = warm_seconds or seconds, ramp_batches, stretch
         self.text_shift, self.clause_gap, self.ground_before = text_shift, clause_gap, ground_before
         self.codec, self.dense_gap, self.dense_share = codec, dense_gap, dense_share
+        self.fps_scale, self.fps_share = fps_scale, fps_share
+
+    def frame_rate(self, rng: np.random.Generator, fps: float) -> float:
+        """The batch's frame rate: the zoo's `fps`, or for a `fps_share` of the batches that times
+        an integer drawn from `fps_scale` (dynamic frame rates, as Qwen2.5-VL is trained with).
+        Why: a 30-s video at 4x the frame rate has as many visual tokens as a 120-s one at the
+        zoo's, and the shipped Qwen target, shown either, wrote "." for 27 clauses before its
+        first event (a session script, seeds 200-202): it fails on the number of tokens as well
+        as on the number of events. The video stays of training length, with its events."""
+        if self.fps_scale is None or rng.random() >= self.fps_share:
+            return fps
+        return fps * int(rng.integers(self.fps_scale[0], self.fps_scale[1] + 1))
 
     def gaps(self, rng: np.random.Generator) -> list[tuple[float, float]]:
         """Per example, the range its world's times between events are drawn from: `dense_gap` for a
@@ -435,7 +450,8 @@ class Batches(torch.utils.data.IterableDataset):
             batch += 1
             seconds = float(rng.integers(round(low), round(high) + 1))
             seeds = TRAIN_SEED0 + rng.integers(0, 1 << 40, self.batch_size)
-            examples = [example(int(s), seconds, fps, rng, codec=self.codec, gap_s=g) for s, g in zip(seeds, self.gaps(rng))]
+            rate = self.frame_rate(rng, fps)
+            examples = [example(int(s), seconds, rate, rng, codec=self.codec, gap_s=g) for s, g in zip(seeds, self.gaps(rng))]
             yield model_inputs(config, tokenizer, examples, with_answers=True,
                                stretch=self.stretches(rng), moves=self.moves(rng), ground_before=self.ground_before)
 
@@ -561,6 +577,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
           ground_margin: float = 1.0, ground_before: bool = False, codec: bool = False,
           dense_gap: tuple | None = None, dense_share: float = 0.5, device: str = "auto",
           loader_workers: int | None = None, max_minutes: float | None = None,
+          fps_scale: tuple | None = None, fps_share: float = 0.5,
           log_every: int = 50, eval_every: int = 250, out: str | None = None, progress: bool | None = None) -> dict:
     """Trains zoo model `model` and saves it under `out` (default models/toy/weights/<model>).
     The training-only parts are off here; conf/experiment/train_toy.yaml turns on the zoo's recipe.
@@ -608,6 +625,14 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
                              f"{toy.MOVE_S} <= low <= high (a move glides for {toy.MOVE_S} s)")
     if max_minutes is not None and not max_minutes > 0:
         raise ValueError(f"max_minutes={max_minutes}: the training time allowed, > 0 (null: no limit)")
+    if fps_scale is not None:
+        fps_scale = tuple(fps_scale)
+        if len(fps_scale) != 2 or not all(isinstance(k, int) and not isinstance(k, bool) for k in fps_scale) \
+                or not 1 <= fps_scale[0] <= fps_scale[1]:
+            raise ValueError(f"fps_scale={list(fps_scale)}: [low, high] integers, 1 <= low <= high, that multiply "
+                             f"the zoo's frame rate")
+    if not 0.0 <= fps_share <= 1.0:
+        raise ValueError(f"fps_share={fps_share}: the fraction of batches at a scaled frame rate, in [0, 1]")
     if not 0.0 <= dense_share <= 1.0:
         raise ValueError(f"dense_share={dense_share}: the fraction of examples from the denser world, in [0, 1]")
     n_params = sum(p.numel() for p in net.parameters())
@@ -637,7 +662,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
     loader = torch.utils.data.DataLoader(Batches(model, batch_size, tuple(seconds), seed, tuple(warm_seconds),
                                                  int(ramp * steps), stretch, text_shift, clause_gap, ground_before, codec,
-                                                 dense_gap, dense_share),
+                                                 dense_gap, dense_share, fps_scale, fps_share),
                                          batch_size=None, num_workers=loader_workers,
                                          prefetch_factor=4 if loader_workers else None, persistent_workers=False,
                                          pin_memory=device.type == "cuda")
@@ -697,6 +722,7 @@ def train(model: str, steps: int = 2000, batch_size: int = 8, lr: float = 5e-4, 
               "chain_weight": chain_weight, "chain_layer": chain_layer, "text_shift": text_shift,
               "clause_gap": clause_gap, "ground_margin": ground_margin, "ground_before": ground_before, "codec": codec,
               "dense_gap": list(dense_gap) if dense_gap else None, "dense_share": dense_share if dense_gap else None,
+              "fps_scale": list(fps_scale) if fps_scale else None, "fps_share": fps_share if fps_scale else None,
               "device": str(device), "device_name": device_name, "loader_workers": loader_workers,
               "seconds": list(seconds), "warm_seconds": list(warm_seconds), "ramp": ramp, "train_s": round(time.perf_counter() - t0, 1), "history": history,
               f"f1_at_{eval_seconds:g}s": round(f1, 4), "eval_seeds": list(eval_seeds)}

@@ -3,6 +3,7 @@ that loads like a real one (bf16 safetensors, tokenizer with chat template, prep
 training.json; the batches it builds score only the answer."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import torch
 from models.load import load_model
 from models.toy import world as toy
 from models.toy.tokenizer import build_tokenizer
-from models.toy.train import AUX, Batches, cell_labels, example, model_inputs, train
+from models.toy.train import AUX, Batches, cell_labels, event_tokens, example, model_inputs, train
 from models.toy.zoo import SHAPES, zoo_config
 
 
@@ -478,3 +479,29 @@ def test_a_time_budget_stops_training_early_and_saves_what_is_there(tmp_path):
     assert (tmp_path / "ck" / "model.safetensors").is_file()
     with pytest.raises(ValueError, match="max_minutes="):
         train("qwen-draft", steps=1, max_minutes=0, device="cpu", out=str(tmp_path / "bad"), progress=False)
+
+
+def test_scaled_frame_rates_give_more_tokens_for_the_same_video_with_matching_positions_and_targets():
+    """fps_scale: a share of the batches renders the same length of video at k times the zoo's frame
+    rate; Qwen2.5-VL's time-aligned positions then span the same seconds (second_per_grid_ts / k), and
+    the grounding targets sit on the temporal steps of the higher rate."""
+    import itertools
+
+    scaled = Batches("qwen-target", 1, (6, 6), 0, (6, 6), fps_scale=(3, 3), fps_share=1.0)
+    plain = Batches("qwen-target", 1, (6, 6), 0, (6, 6), fps_scale=(3, 3), fps_share=0.0)
+    fast, slow = next(iter(scaled)), next(iter(plain))
+    assert int(fast["video_grid_thw"][0, 0]) == 3 * int(slow["video_grid_thw"][0, 0]) == 18   # 6 s at 6 fps, 2 frames a step
+    assert fast["second_per_grid_ts"].tolist() == pytest.approx([1 / 3]) and slow["second_per_grid_ts"].tolist() == [1.0]
+    ex = example(7, 6.0, 6.0)
+    batch = model_inputs(zoo_config("qwen-target"), build_tokenizer("qwen2_5_vl"), [ex], with_answers=True)
+    assert batch["video_grid_thw"][0, 0] == 18 and batch["cell_labels"].shape[0] == 18 * 9
+    video_at = int((batch["input_ids"][0] == zoo_config("qwen-target").video_token_id).nonzero()[0])
+    looked = {int(i) - video_at for i in batch["ground_mask"][0].nonzero()[:, 1]}
+    at_6fps = {i for shown in event_tokens(ex.world, 6.0, 36, 2) for i in shown}
+    assert looked == at_6fps != {i for shown in event_tokens(ex.world, 2.0, 36, 2) for i in shown}
+    llava = next(iter(Batches("llava-target", 1, (4, 4), 0, (4, 4), fps_scale=(2, 2), fps_share=1.0)))
+    assert llava["pixel_values_videos"].shape[1] == 8          # 4 s at 2 fps, one frame a step
+    with pytest.raises(ValueError, match="fps_scale="):
+        train("qwen-draft", steps=1, fps_scale=[0, 2], device="cpu", progress=False)
+    with pytest.raises(ValueError, match="fps_scale="):
+        train("qwen-draft", steps=1, fps_scale=[2.5, 3], device="cpu", progress=False)
