@@ -381,9 +381,9 @@ class Batches(torch.utils.data.IterableDataset):
         """The batch's frame rate: the zoo's `fps`, or for a `fps_share` of the batches that times
         an integer drawn from `fps_scale` (dynamic frame rates, as Qwen2.5-VL is trained with).
         Why: a 30-s video at 4x the frame rate has as many visual tokens as a 120-s one at the
-        zoo's, and the shipped Qwen target, shown either, wrote "." for 27 clauses before its
-        first event (a session script, seeds 200-202): it fails on the number of tokens as well
-        as on the number of events. The video stays of training length, with its events."""
+        zoo's, and the Qwen target of stage 8, shown either, wrote runs of "." where its first
+        event should be (README, "More frames, same video"): it failed on the number of tokens as
+        well as on the number of events. The video stays of training length, with its events."""
         if self.fps_scale is None or rng.random() >= self.fps_share:
             return fps
         return fps * int(rng.integers(self.fps_scale[0], self.fps_scale[1] + 1))
