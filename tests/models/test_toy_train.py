@@ -3,7 +3,6 @@ that loads like a real one (bf16 safetensors, tokenizer with chat template, prep
 training.json; the batches it builds score only the answer."""
 
 import json
-import math
 
 import numpy as np
 import pytest
@@ -193,7 +192,6 @@ def test_a_margin_asks_for_larger_logit_gaps():
 
 
 def test_grounded_training_runs_eager_and_saves_an_sdpa_checkpoint(tmp_path):
-
     result = train("qwen-draft", steps=2, batch_size=2, seconds=(4, 6), warm_seconds=(4, 6), warmup=1, eval_seconds=4,
                    eval_videos=1, log_every=1, ground_weight=1.0, out=str(tmp_path / "ck"), progress=False)
     assert result["ground_layer"] == 1 and all(np.isfinite(h["ground_loss"]) for h in result["history"])
@@ -309,7 +307,6 @@ def test_text_moves_leave_half_the_examples_and_the_batch_carries_them():
 
 
 def test_a_chained_shifted_run_logs_its_chain_loss_and_refuses_bad_settings(tmp_path):
-
     result = train("llava-draft", steps=2, batch_size=2, seconds=(4, 6), warm_seconds=(4, 6), warmup=1, eval_seconds=4,
                    eval_videos=1, log_every=1, ground_weight=1.0, chain_weight=1.0, text_shift=20, clause_gap=4,
                    ground_margin=2.0, out=str(tmp_path / "ck"), progress=False)
@@ -339,7 +336,6 @@ def test_codec_examples_are_the_rendered_frames_through_h264():
 
 
 def test_a_share_of_the_examples_come_from_a_denser_world_with_longer_answers(tmp_path):
-
     rng = np.random.default_rng(0)
     gaps = Batches("qwen-draft", 400, (2, 4), 0, dense_gap=(1.0, 1.5), dense_share=0.25).gaps(rng)
     assert set(gaps) == {(1.0, 1.5), toy.GAP_S} and 60 < gaps.count((1.0, 1.5)) < 140
@@ -358,7 +354,6 @@ def test_a_share_of_the_examples_come_from_a_denser_world_with_longer_answers(tm
 
 def test_the_device_is_resolved_before_any_work_and_a_missing_gpu_is_refused(monkeypatch):
     import os
-
 
     from models.toy.train import loader_workers_for, resolve_device
 
@@ -485,8 +480,6 @@ def test_scaled_frame_rates_give_more_tokens_for_the_same_video_with_matching_po
     """fps_scale: a share of the batches renders the same length of video at k times the zoo's frame
     rate; Qwen2.5-VL's time-aligned positions then span the same seconds (second_per_grid_ts / k), and
     the grounding targets sit on the temporal steps of the higher rate."""
-    import itertools
-
     scaled = Batches("qwen-target", 1, (6, 6), 0, (6, 6), fps_scale=(3, 3), fps_share=1.0)
     plain = Batches("qwen-target", 1, (6, 6), 0, (6, 6), fps_scale=(3, 3), fps_share=0.0)
     fast, slow = next(iter(scaled)), next(iter(plain))
