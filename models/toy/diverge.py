@@ -1,7 +1,7 @@
 """Where does a description first leave the truth, and how? Reads caption_eval's outputs.
 
     python -m run -m +experiment=caption_eval data.toy.seconds=30,120 data.toy.videos=24
-    python -m models.toy.diverge outputs/multirun/<date>/<time>          # one table row per job
+    python -m models.toy.diverge outputs/multirun/<date>/<time>_caption_eval   # one table row per job
 
 For each described video it walks the generated events and the true ones side by side (both in
 time order) to the first clause where they differ, and sorts that clause into one of:
@@ -116,7 +116,10 @@ def main(argv=None) -> int:
         p.parent for p in args.runs.glob("*/metrics.json"))
     if not jobs:
         ap.error(f"{args.runs}: no metrics.json in it or in its job directories")
-    rows = [job_divergences(job) for job in jobs]
+    try:
+        rows = [job_divergences(job) for job in jobs]
+    except (FileNotFoundError, ValueError) as e:
+        ap.error(str(e))
     print(table(rows))
     if args.each:
         for seconds, found, _ in rows:

@@ -71,4 +71,6 @@ def test_a_directory_without_runs_or_truths_is_a_clear_error(tmp_path):
         job_divergences(job)
     with pytest.raises(SystemExit):
         main([str(tmp_path / "nothing")])
+    with pytest.raises(SystemExit):             # a truth gone is a usage error, not a traceback
+        main([str(tmp_path)])
 
