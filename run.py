@@ -38,7 +38,7 @@ def main(cfg: DictConfig) -> float | None:
         import inspect
         import json
 
-        from models.toy.train import train
+        from zoo.train import train
 
         kwargs = OmegaConf.to_container(cfg.train, resolve=True)
         try:

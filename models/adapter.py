@@ -1,6 +1,6 @@
 """The one small protocol every model stage uses, over a transformers Video-LLM.
 
-    lm = load_model("models/toy/weights/qwen-target")        # models.load
+    lm = load_model("zoo/weights/qwen-target")        # models.load
     layout = lm.layout("describe the video .", n_frames=60, frame_hw=(84, 84), fps=2.0)
     cache = lm.new_cache()
     video = lm.encode(frames)                                 # [n_video_tokens, hidden]

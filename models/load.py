@@ -2,7 +2,7 @@
 device and attention implementation. Weights load through safetensors only (`use_safetensors`),
 and `trust_remote_code` stays off.
 
-    lm = load_model("models/toy/weights/qwen-target")
+    lm = load_model("zoo/weights/qwen-target")
     lm = load_model("Qwen/Qwen2.5-VL-7B-Instruct", dtype="bfloat16", device="cuda", attn_implementation="sdpa")
     lm = load_model("random:qwen2.5-vl-32b", dtype="bfloat16", device="cuda")     # real shape, random weights (models.shapes)
 """

@@ -1,7 +1,7 @@
 """One loaded copy of each model per process, shared by the stages that use it (encode,
 prefill and generate all run the same target weights).
 
-    lm = get_model({"path": "models/toy/weights/qwen-target", "dtype": "float32"}, device="cpu")
+    lm = get_model({"path": "zoo/weights/qwen-target", "dtype": "float32"}, device="cpu")
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ for _size, _text in _QWEN2_TEXT.items():
     SHAPES[f"llava-onevision-{_size}"] = ("llava_onevision", _text, dict(_SIGLIP), {"fps": 1.0, "size": [384, 384]})
 
 # The toy checkpoint whose tokenizer, chat template and token ids a random model of a family borrows.
-TOKENIZER_OF = {"qwen2_5_vl": "models/toy/weights/qwen-target", "llava_onevision": "models/toy/weights/llava-target"}
+TOKENIZER_OF = {"qwen2_5_vl": "zoo/weights/qwen-target", "llava_onevision": "zoo/weights/llava-target"}
 
 
 def is_random(path: str) -> bool:

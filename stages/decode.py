@@ -1,7 +1,7 @@
 """Decode stages: a Request's video → FrameGroups (uint8 [n, 3, H, W] + seconds), streamed.
 
 All decoders share the ports and the frame selection (by timestamp relative to the stream's first
-pts, see stages/codec.py), so a sweep can swap them: `graph.nodes.decode.stage=torchcodec`.
+pts, see video/codec.py), so a sweep can swap them: `graph.nodes.decode.stage=torchcodec`.
 
 - QuickCodec: QuickVideo's keyframe-interval parallel decoder over a pool of decoder processes,
   writing converted frames straight into shared memory; streaming hands intervals out earliest
@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from graph.stage import In, Out, Stage
-from stages.codec import (SharedFrames, StreamIndex, TaskResult, VideoError, decode_task, keyframe_intervals,
+from video.codec import (SharedFrames, StreamIndex, TaskResult, VideoError, decode_task, keyframe_intervals,
                           output_size, plan_tasks, sample_times, scan, select_frames, to_rgb, warm_worker, worker_init)
 from stages.types import FrameGroup, Request, VideoInfo
 
@@ -298,7 +298,7 @@ class PyAVDecoder(_Decoder):
         """Every frame in order; the selected ones converted. Returns (frames, lost slots)."""
         import av
 
-        from stages.codec import open_container
+        from video.codec import open_container
 
         by_pts: dict[int, list[int]] = {}
         for slot, p in enumerate(sel.pts.tolist()):

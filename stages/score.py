@@ -1,11 +1,11 @@
 """score: an answer against the request's reference (caption_eval): the toy world's event-level
-precision / recall / F1 (models.toy.world.score), so a run's quality sits next to its speed."""
+precision / recall / F1 (zoo.world.score), so a run's quality sits next to its speed."""
 
 from __future__ import annotations
 
 from graph.stage import In, Out, Stage
-from models.toy import world
 from stages.types import Request, Score, Tokens
+from zoo import captions, world
 
 
 class CaptionScore(Stage):
@@ -18,5 +18,5 @@ class CaptionScore(Stage):
             raise ValueError(f"request {request.id} has no reference to score against "
                              "(use data=toy_eval, or a manifest with a 'reference' truth per row)")
         truth = world.Truth.from_dict(request.reference)
-        values = world.score(tokens.text or "", truth)
+        values = captions.score(tokens.text or "", truth)
         return {"score": Score({k: values[k] for k in ("precision", "recall", "f1")} | {"events": len(truth.events)})}

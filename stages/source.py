@@ -15,6 +15,7 @@ from typing import Any
 from graph.spec import ConfigError
 from graph.stage import Out, Stage
 from stages.types import Request
+from video.bench import check_bench_video, ensure_bench_video
 
 VIDEO_SUFFIXES = {".mp4", ".mkv", ".webm", ".mov", ".avi", ".ts", ".m4v", ".flv"}
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,8 +75,8 @@ def toy_requests(videos: int = 8, seconds: float = 30, first_seed: int = 0, fps:
                  prompt: str | None = None, chunk_s: float | None = None, workers: int | None = None) -> list[Request]:
     """`videos` held-out toy-world videos (seeds first_seed.., below the training seeds), made once
     into the cache, each request carrying its truth as the reference. size: a side or [H, W];
-    chunk_s, workers: encode a long video in pieces, in parallel (models.toy.world.make_video)."""
-    from models.toy.world import ensure_video
+    chunk_s, workers: encode a long video in pieces, in parallel (zoo.world.make_video)."""
+    from zoo.videos import ensure_video
 
     size = size if isinstance(size, int) else tuple(size)     # a side, or [H, W] from the config
     out = []
@@ -93,3 +94,22 @@ class Source(Stage):
 
     def __call__(self, ctx):
         return {"request": ctx.request}
+
+
+class BenchVideo(Stage):
+    """Emits a Request for the cached benchmark video (generated on first use in setup)."""
+
+    outputs = {"request": Out(Request)}
+
+    def __init__(self, minutes: float = 1.0, width: int = 1280, height: int = 720, fps: int = 24, gop_s: float = 2.0,
+                 seed: int = 0):
+        check_bench_video(minutes, width, height, fps, gop_s)
+        self.minutes, self.width, self.height, self.fps, self.gop_s, self.seed = minutes, width, height, fps, gop_s, seed
+        self.path: Path | None = None
+
+    def setup(self, ctx) -> None:
+        self.path = ensure_bench_video(self.minutes, width=self.width, height=self.height, fps=self.fps,
+                                       gop_s=self.gop_s, seed=self.seed)
+
+    def __call__(self, ctx):
+        return {"request": Request(id=f"bench-{self.minutes}min", video=str(self.path), prompt=None)}

@@ -57,7 +57,7 @@ def test_every_experiment_composes_and_validates(name):
     if cfg.get("train"):       # train_toy runs the trainer, not a graph: its keys must bind to train()
         import inspect
 
-        from models.toy.train import train
+        from zoo.train import train
         inspect.signature(train).bind(**cfg.train)
         return
     spec, plan = prepare(cfg)  # the whole validation, no stage is built
@@ -196,14 +196,15 @@ def test_ctrl_c_cancels_and_leaves_nothing_behind(tmp_path):
 
 
 def test_default_run_describes_the_bundled_video_with_the_toy_target(tmp_path):
-    from models.toy.world import Truth, score
+    from zoo.world import Truth
+    from zoo.captions import score
 
     out = run(f"hydra.run.dir={tmp_path}")
     assert out.returncode == 0, out.stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["output_text"] in out.stdout
     assert metrics["video"]["n_video_tokens"] == 270 and metrics["ttft_s"] < metrics["wall_s"]
-    truth = Truth.from_dict(json.loads((ROOT / "models" / "toy" / "sample" / "toy-30s.json").read_text()))
+    truth = Truth.from_dict(json.loads((ROOT / "zoo" / "sample" / "toy-30s.json").read_text()))
     # the shipped target describes all 8 of this video's events right (F1 1.0, greedy, fp32); a broken
     # pipeline (random weights: 0; decoding at wrong positions: 0.375 with earlier weights) scores below
     assert score(metrics["output_text"], truth)["f1"] >= 0.6

@@ -13,9 +13,9 @@ import torch
 
 from models.load import ModelError, load_model, shared_vocabulary
 from models.prompt import PromptError
-from models.toy.tokenizer import build_tokenizer
-from models.toy.train import example, save
-from models.toy.zoo import FPS, zoo_config
+from zoo.tokenizer import build_tokenizer
+from zoo.train import example, save
+from zoo.shapes import FPS, zoo_config
 
 ARCHS = {"qwen2_5_vl": "qwen-draft", "llava_onevision": "llava-draft"}
 

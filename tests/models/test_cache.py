@@ -4,7 +4,7 @@ rollbacks and pruning, without copying the cache on every append."""
 import torch
 
 from models.cache import GrowingLayer, growing_cache
-from models.toy.zoo import zoo_config
+from zoo.shapes import zoo_config
 
 
 def kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -81,7 +81,7 @@ def test_a_random_model_runs_behind_the_adapter_with_the_real_vocabulary_width()
 def test_a_random_model_compares_with_its_family_over_the_toy_tokenizer():
     target = tokenizer_of("random:qwen2.5-vl-32b")
     assert target.vocab_size == 152064
-    assert shared_vocabulary(target, tokenizer_of("models/toy/weights/qwen-draft")) == len(target.tokenizer)
+    assert shared_vocabulary(target, tokenizer_of("zoo/weights/qwen-draft")) == len(target.tokenizer)
 
 
 def test_a_variant_may_ask_for_a_longer_context_than_the_published_one():

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from stages.codec import SharedFrames, StreamIndex, VideoError, decode_task, keyframe_intervals, plan_tasks, scan
+from video.codec import SharedFrames, StreamIndex, VideoError, decode_task, keyframe_intervals, plan_tasks, scan
 from stages.decode import DecoderPool, PyAVDecoder, _Selection, quickcodec_groups, read_video
 from tests.stages.videos import CASES, make_video, read_counter
 

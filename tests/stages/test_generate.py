@@ -9,8 +9,8 @@ import pytest
 from graph.executor import Executor, StageFailed
 from models.load import load_model
 from models.registry import release_all
-from models.toy.world import make_video
-from models.toy.zoo import FPS
+from zoo.videos import make_video
+from zoo.shapes import FPS
 from stages.types import Request
 from tests.helpers import make, node
 from tests.models.test_adapters import ARCHS, random_checkpoint

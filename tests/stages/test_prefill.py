@@ -14,8 +14,8 @@ import torch
 from graph.executor import Executor, StageFailed
 from models.load import load_model
 from models.registry import release_all
-from models.toy.world import make_video
-from models.toy.zoo import FPS
+from zoo.videos import make_video
+from zoo.shapes import FPS
 from stages.decode import QuickCodec, read_video
 from stages.prefill import Prefill
 from stages.prune import key_norm_scores, layer_ratios, top_k_indices

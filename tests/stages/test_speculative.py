@@ -11,8 +11,8 @@ import pytest
 
 from graph.executor import Executor
 from models.registry import release_all
-from models.toy.world import make_video
-from models.toy.zoo import FPS
+from zoo.videos import make_video
+from zoo.shapes import FPS
 from stages.types import Request
 from tests.helpers import make, node
 from tests.models.test_adapters import ARCHS, random_checkpoint
