@@ -62,9 +62,9 @@ class Layout:
 
 def _attention_kernels(device: torch.device):
     """On CUDA, sdpa may use flash, memory-efficient or math kernels, not cuDNN's: cuDNN attention
-    builds an execution plan for every new key length, so in decoding, where the cache grows by
-    one each step, it spent 1.5 ms of host time per layer per token (torch 2.11, H200: a 7B-shaped
-    decode step took 57 ms instead of ~20; models.bench_realsize)."""
+    builds an execution plan for every new key length, and in decoding, where the cache grows by
+    one each step, that host time per layer per token costs more than the step's kernels
+    (docs/design.md, "Measurements behind the design")."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -1,14 +1,13 @@
 """`reelflow` attention: transformers' sdpa for prefill, plain grouped matmuls for a few new tokens.
 
-Measured on 2 CPU cores (DESIGN pitfall 3): torch's sdpa scores 2-16 new tokens over an 8K cache
-at ~6x the cost of one token, because with an explicit mask it leaves its fused kernel; a
-speculative verifier pays that every round. For a query of at most `SMALL_QUERY` tokens this
+With an explicit mask, torch's sdpa leaves its fused kernel, so scoring a few new tokens over a
+long cache costs several times one token; a speculative verifier pays that every round. For a query of at most `SMALL_QUERY` tokens this
 function computes softmax(q kᵀ · scale + mask) v directly, one matmul per KV head group (no
 repeated keys), in float32 softmax. A larger query over a cache it hands to sdpa with a
 bottom-right causal bias: a prefill group after earlier ones (QuickPrefill) attends to all of the
-cache and causally within itself, which with transformers' [q, k] mask ran in sdpa's masked kernel
-at ~76 TFLOP/s on an H100 (a 4096-token group over 46K cached entries of a 7B-shaped model took
-1.0 s; README, "Real-size shapes on a GPU"); the causal bias lets sdpa pick its flash kernel.
+cache and causally within itself, which with transformers' [q, k] mask runs in sdpa's slow masked
+kernel; the causal bias lets sdpa pick its flash kernel (figures: docs/design.md, "Measurements
+behind the design").
 Anything else (padding, other mask rules, training) goes to transformers' own sdpa function.
 
 Registered with transformers' AttentionInterface (and the sdpa mask function) as "reelflow", so a

@@ -1,9 +1,8 @@
 """A KV cache that appends in place: transformers' DynamicCache with layers that keep spare room.
 
 transformers' `DynamicLayer.update` concatenates the cache with the new entries, so every forward
-copies the whole cache: on 2 CPU cores with an 8100-token cache that copy was 55 % of a one-token
-step of the toy target and 65 % of a 4-token verification (torch profiler, `aten::cat`), and it
-grows with the cache. `GrowingLayer` writes new entries into a buffer with room to spare (growing
+copies the whole cache, and that copy grows with the cache until it is most of a decode or
+verification step (docs/design.md, "Measurements behind the design"). `GrowingLayer` writes new entries into a buffer with room to spare (growing
 it by a quarter when full, so a long decode reallocates a handful of times), and hands attention
 views of the filled part. Rolling back (`crop`, or assigning a leading view of the buffer, which
 is what `crop` does) only moves the length; the next entries overwrite what was dropped. Assigning

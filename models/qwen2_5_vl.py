@@ -60,7 +60,7 @@ class QwenVL(VideoLM):
         # video's largest temporal position (original Qwen2.5-VL); transformers 5's get_rope_index
         # starts that text after max(h, w) / merge only, so on a long video the video's temporal
         # positions exceed the last text position and rope_deltas would jump decoding far ahead
-        # of what generate() and training use (measured: a 30-s toy video diverged at token 2).
+        # of what generate() and training use (a 30-s toy video then diverges within a few tokens).
         return pos, int(pos[:, -1].max()) + 1 - ids.shape[0]
 
     def generate_inputs(self, layout, frames: torch.Tensor, fps: float) -> dict:

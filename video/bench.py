@@ -21,11 +21,11 @@ bytes of flat or rigidly moving content).
 Rendering is done directly in YUV 4:2:0 (what the encoder takes): each frame is a crop of
 precomputed background planes (one per quarter-pixel phase), the moving texture and objects are
 pasted from precomputed frames and sprites, and noise is one of a few precomputed noise planes
-added with uint8 wrap-around (every pixel is kept in 16..235, so noise and exposure never wrap):
-about 1.7 ms a 720p frame, scene set-up included. The encoder is libx264 (preset veryfast,
-crf 23, B-frames as x264's defaults, a keyframe exactly every `gop_s` seconds, no scene-cut
-keyframes) with frame threads, so it runs on its own threads while the next frame is rendered;
-it is the bottleneck (about 100 frames/s at 720p on 2 cores: 30 minutes in about 7.5 minutes).
+added with uint8 wrap-around (every pixel is kept in 16..235, so noise and exposure never wrap),
+so rendering stays far cheaper than encoding. The encoder is libx264 (preset veryfast, crf 23,
+B-frames as x264's defaults, a keyframe exactly every `gop_s` seconds, no scene-cut keyframes)
+with frame threads, so it runs on its own threads while the next frame is rendered; it is the
+bottleneck (the long benchmark videos take minutes to make, once).
 
 The file name holds every parameter plus GEN_VERSION (bump it when the content changes). The
 file is written under a temporary name and renamed into place, so an interrupted generation never
