@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import multiprocessing as mp
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -32,8 +31,9 @@ import torch
 from tqdm.auto import tqdm
 
 from graph.stage import In, Out, Stage
-from stages.codec import (SharedFrames, StreamIndex, TaskResult, VideoError, decode_task, keyframe_intervals,
-                          output_size, plan_tasks, sample_times, scan, select_frames, to_rgb, warm_worker, worker_init)
+from stages.codec import (SharedFrames, SpawnWithoutMainContext, StreamIndex, TaskResult, VideoError, decode_task,
+                          keyframe_intervals, output_size, plan_tasks, sample_times, scan, select_frames, to_rgb,
+                          warm_worker, worker_init)
 from stages.types import FrameGroup, Request, VideoInfo
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,8 @@ __all__ = ["QuickCodec", "PyAVDecoder", "TorchCodecDecoder", "DecordDecoder", "r
 
 
 class DecoderPool:
-    """`workers` spawned decoder processes. Tasks run in submission order (earliest first)."""
+    """`workers` spawned decoder processes, which never run the caller's __main__ (so no
+    `if __name__ == "__main__":` guard is needed). Tasks run in submission order (earliest first)."""
 
     def __init__(self, workers: int):
         if workers < 1:
@@ -51,7 +52,7 @@ class DecoderPool:
 
     def get(self) -> cf.ProcessPoolExecutor:
         if self._pool is None:
-            self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
+            self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=SpawnWithoutMainContext(),
                                                 initializer=worker_init)
         return self._pool
 

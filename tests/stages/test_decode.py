@@ -3,6 +3,8 @@ streaming equals one-shot; bad input is a clear error with nothing left behind."
 
 import _thread
 import os
+import subprocess
+import sys
 import threading
 import time
 from fractions import Fraction
@@ -261,6 +263,45 @@ def test_ctrl_c_during_decode_leaves_nothing(slow_video):
     time.sleep(0.2)
     assert _reelflow_shm() == before
     assert set(multiprocessing.active_children()) <= children, "decoder processes left behind"
+
+
+# ------------------------------------------------------------------ from any caller
+
+REPO = Path(__file__).resolve().parents[2]
+
+CALLER_SCRIPT = """\
+from stages.decode import read_video
+frames, seconds = read_video({video!r}, fps=4, workers=2)
+print(tuple(frames.shape), len(seconds))
+"""
+
+
+@pytest.mark.parametrize("caller", ["script", "module", "-c", "stdin", "interactive"])
+def test_read_video_from_a_plain_unguarded_caller(caller, videos, tmp_path):
+    """No `if __name__ == "__main__":` guard needed: decoder processes never run the caller's
+    __main__ (a spawned child re-running this script would call read_video again, and die)."""
+    code = CALLER_SCRIPT.format(video=str(videos["h264_closed_gop"]["path"]))
+    script = tmp_path / "my_script.py"
+    script.write_text(code)
+    command, stdin = {"script": ([sys.executable, str(script)], None),
+                      "module": ([sys.executable, "-m", "my_script"], None),
+                      "-c": ([sys.executable, "-c", code], None),
+                      "stdin": ([sys.executable, "-"], code),            # __main__.__file__ is "<stdin>"
+                      "interactive": ([sys.executable, "-i"], code)}[caller]  # no __file__ at all
+    # the worktree's packages first (an installed reelflow may point elsewhere); tmp_path for -m
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])}
+    run = subprocess.run(command, cwd=REPO, env=env, input=stdin, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "(12, 3, 120, 160) 12" in run.stdout.splitlines(), run.stderr[-3000:]  # 3 s at 4 fps, native size
+
+
+def test_starting_decoder_processes_leaves_main_as_it_was():
+    main = vars(sys.modules["__main__"])
+    before = {name: main.get(name, "absent") for name in ("__file__", "__spec__")}
+    with DecoderPool(1) as pool:
+        pool.warm()
+    assert {name: main.get(name, "absent") for name in ("__file__", "__spec__")} == before
 
 
 # ------------------------------------------------------------------ as stages in a graph
