@@ -23,6 +23,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import os
+import signal
+import time
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -65,6 +68,30 @@ class DecoderPool:
 
     def pids(self) -> list[int]:
         return list((self._pool._processes or {}).keys()) if self._pool else []  # noqa: SLF001
+
+    def how_processes_ended(self) -> list[str]:
+        """How the decoder processes that ended by themselves ended: "SIGKILL", "exit code 1".
+        A broken pool ends the others with SIGTERM, so that signal is not counted."""
+        procs = list((self._pool._processes or {}).values()) if self._pool else []  # noqa: SLF001
+        ended = set(wait([p.sentinel for p in procs], timeout=0))
+        deadline = time.monotonic() + 1.0
+        how = []
+        for proc in procs:
+            # an ended process's pipe closes a moment before it can be reaped (and the pool's own
+            # thread may be reaping it now): give its exit status that moment
+            while proc.sentinel in ended and proc.exitcode is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            code = proc.exitcode
+            if code is None or code == -signal.SIGTERM:
+                continue
+            if code >= 0:
+                how.append(f"exit code {code}")
+            else:
+                try:
+                    how.append(signal.Signals(-code).name)
+                except ValueError:
+                    how.append(f"signal {-code}")
+        return sorted(set(how))
 
     def shutdown(self, kill: bool = False) -> None:
         pool, self._pool = self._pool, None
@@ -167,8 +194,10 @@ def quickcodec_groups(path: str, pool: DecoderPool, *, fps=None, seconds=None, n
             except cf.process.BrokenProcessPool:
                 task = futures[fut]
                 a, b = sel.index.seconds([task.start, min(task.end, int(sel.index.pts[-1]))])
-                raise VideoError(path, f"a decoder process died while decoding {a:.2f}–{b:.2f} s "
-                                       f"(killed, or out of memory)") from None
+                how = ", ".join(pool.how_processes_ended()) or "killed, or out of memory"
+                if how == "SIGKILL":
+                    how += ": out of memory, or killed"
+                raise VideoError(path, f"a decoder process died while decoding {a:.2f}–{b:.2f} s ({how})") from None
             task = futures[fut]
             lost_pts = set(res.lost)
             for p, slots in zip(task.targets, task.slots):
