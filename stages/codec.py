@@ -5,7 +5,7 @@ The pieces, in the order a decode uses them:
 
 - `scan`: demux the video stream's packets without decoding (audio and pts-less packets skipped);
   every packet pts is a frame's pts, so the scan *is* the frame timeline, never the container's
-  frame count.
+  frame count. The stream is FFmpeg's best video stream unless one is asked for by index.
 - `select_frames`: which frames to return, by timestamp relative to the stream's first pts: the
   frame on screen at each requested time (the last frame whose pts ≤ t).
 - `keyframe_intervals`: cut the stream at the keyframes nearest i/s of its length (seed Alg. 3).
@@ -103,13 +103,42 @@ def open_container(path: str | os.PathLike):
     return container
 
 
-def scan(path: str | os.PathLike) -> StreamIndex:
-    """Demux the first video stream's packets (no decoding) into a frame timeline."""
+def video_stream(container, path: str | os.PathLike, stream: int | None = None):
+    """The video stream to decode: `container.streams[stream]`, or by default the one FFmpeg
+    picks (av_find_best_stream, as PyAV's `streams.best`, torchcodec and decord do), which need
+    not be the first: a file may carry a small preview track before the main one."""
+    if stream is None:
+        return container.streams.best("video")
+    streams = container.streams
+    if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
+        raise VideoError(path, f"stream={stream!r} is not a stream index")
+    stream = int(stream)
+    if 0 <= stream < len(streams) and streams[stream].type == "video":
+        return streams[stream]
+    video = ", ".join(f"{s.index} ({s.codec_context.width}x{s.codec_context.height} {s.codec_context.name})"
+                      for s in streams.video)
+    if not 0 <= stream < len(streams):
+        raise VideoError(path, f"has no stream {stream} (its video streams: {video})")
+    raise VideoError(path, f"stream {stream} is {streams[stream].type}, not video (its video streams: {video})")
+
+
+def default_video_stream(path: str | os.PathLike) -> int:
+    """Index of the video stream decoded when none is asked for."""
+    container = open_container(path)
+    try:
+        return video_stream(container, path).index
+    finally:
+        container.close()
+
+
+def scan(path: str | os.PathLike, stream: int | None = None) -> StreamIndex:
+    """Demux a video stream's packets (no decoding) into a frame timeline: `stream` (an index
+    into the container's streams), or by default FFmpeg's best video stream."""
     import av
 
     container = open_container(path)
     try:
-        vs = container.streams.video[0]
+        vs = video_stream(container, path, stream)
         pts, keys, no_pts = [], [], 0
         try:
             for packet in container.demux(vs):
