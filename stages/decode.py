@@ -15,6 +15,9 @@ The decoder pool is the one place a stage owns processes: it is the decoder's in
 parallelism (like FFmpeg's threads in the others), started in `setup` and ended in `close`;
 a failing or cancelled call terminates it and the next call starts a fresh one.
 
+Each decodes FFmpeg's best video stream of a file (not necessarily its first), or the one given
+as `stream` (an index into the container's streams; decord can only take the best one).
+
 `read_video(path, fps=..., size=..., workers=...)` is QuickCodec as a function.
 """
 
@@ -22,8 +25,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import multiprocessing as mp
 import os
+import signal
+import time
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -32,8 +37,9 @@ import torch
 from tqdm.auto import tqdm
 
 from graph.stage import In, Out, Stage
-from video.codec import (SharedFrames, StreamIndex, TaskResult, VideoError, decode_task, keyframe_intervals,
-                          output_size, plan_tasks, sample_times, scan, select_frames, to_rgb, warm_worker, worker_init)
+from video.codec import (SharedFrames, SpawnWithoutMainContext, StreamIndex, TaskResult, VideoError, decode_task,
+                         default_video_stream, keyframe_intervals, output_size, plan_tasks, sample_times, scan,
+                         select_frames, to_rgb, warm_worker, worker_init)
 from stages.types import FrameGroup, Request, VideoInfo
 
 log = logging.getLogger(__name__)
@@ -41,7 +47,8 @@ __all__ = ["QuickCodec", "PyAVDecoder", "TorchCodecDecoder", "DecordDecoder", "r
 
 
 class DecoderPool:
-    """`workers` spawned decoder processes. Tasks run in submission order (earliest first)."""
+    """`workers` spawned decoder processes, which never run the caller's __main__ (so no
+    `if __name__ == "__main__":` guard is needed). Tasks run in submission order (earliest first)."""
 
     def __init__(self, workers: int):
         if workers < 1:
@@ -51,7 +58,7 @@ class DecoderPool:
 
     def get(self) -> cf.ProcessPoolExecutor:
         if self._pool is None:
-            self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=mp.get_context("spawn"),
+            self._pool = cf.ProcessPoolExecutor(self.workers, mp_context=SpawnWithoutMainContext(),
                                                 initializer=worker_init)
         return self._pool
 
@@ -64,6 +71,30 @@ class DecoderPool:
 
     def pids(self) -> list[int]:
         return list((self._pool._processes or {}).keys()) if self._pool else []  # noqa: SLF001
+
+    def how_processes_ended(self) -> list[str]:
+        """How the decoder processes that ended by themselves ended: "SIGKILL", "exit code 1".
+        A broken pool ends the others with SIGTERM, so that signal is not counted."""
+        procs = list((self._pool._processes or {}).values()) if self._pool else []  # noqa: SLF001
+        ended = set(wait([p.sentinel for p in procs], timeout=0))
+        deadline = time.monotonic() + 1.0
+        how = []
+        for proc in procs:
+            # an ended process's pipe closes a moment before it can be reaped (and the pool's own
+            # thread may be reaping it now): give its exit status that moment
+            while proc.sentinel in ended and proc.exitcode is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            code = proc.exitcode
+            if code is None or code == -signal.SIGTERM:
+                continue
+            if code >= 0:
+                how.append(f"exit code {code}")
+            else:
+                try:
+                    how.append(signal.Signals(-code).name)
+                except ValueError:
+                    how.append(f"signal {-code}")
+        return sorted(set(how))
 
     def shutdown(self, kill: bool = False) -> None:
         pool, self._pool = self._pool, None
@@ -95,8 +126,8 @@ def _as_size(size: Any) -> Any:
 class _Selection:
     """The frames to return: requested times → frame pts → output slots, plus the groups."""
 
-    def __init__(self, path: str, fps, seconds, num_frames, size, group_frames: int):
-        self.index: StreamIndex = scan(path)
+    def __init__(self, path: str, fps, seconds, num_frames, size, group_frames: int, stream: int | None = None):
+        self.index: StreamIndex = scan(path, stream)
         self.path = path
         times = sample_times(self.index, fps=fps, seconds=seconds, num_frames=num_frames)
         self.pts = select_frames(self.index, times)                        # int64 [N]
@@ -134,14 +165,14 @@ def _warn_lost(path: str, sel: _Selection, lost_slots: list[int], errors: list[s
 
 def quickcodec_groups(path: str, pool: DecoderPool, *, fps=None, seconds=None, num_frames=None, size=None,
                       intervals: int = 0, group_frames: int = 0, interpolation: str = "BICUBIC",
-                      seek_frames: int = 12, skip_nonref: bool = True,
+                      seek_frames: int = 12, skip_nonref: bool = True, stream: int | None = None,
                       on_info: Callable[[VideoInfo], None] | None = None) -> Iterator[FrameGroup]:
     """QuickCodec (seed Alg. 2 + 3): yields FrameGroups in order, each as soon as it is complete.
 
     intervals: how many keyframe intervals to cut (0: `workers` when not grouping, else enough for
     every worker to have several, so the earliest groups finish first)."""
     path = str(path)
-    sel = _Selection(path, fps, seconds, num_frames, size, group_frames)
+    sel = _Selection(path, fps, seconds, num_frames, size, group_frames, stream)
     count = intervals or (pool.workers if sel.n_groups == 1 else max(4 * pool.workers, sel.n_groups))
     tasks = plan_tasks(keyframe_intervals(sel.index, count), sel.pts)
     shared = SharedFrames((sel.n, 3, sel.height, sel.width))
@@ -166,8 +197,10 @@ def quickcodec_groups(path: str, pool: DecoderPool, *, fps=None, seconds=None, n
             except cf.process.BrokenProcessPool:
                 task = futures[fut]
                 a, b = sel.index.seconds([task.start, min(task.end, int(sel.index.pts[-1]))])
-                raise VideoError(path, f"a decoder process died while decoding {a:.2f}–{b:.2f} s "
-                                       f"(killed, or out of memory)") from None
+                how = ", ".join(pool.how_processes_ended()) or "killed, or out of memory"
+                if how == "SIGKILL":
+                    how += ": out of memory, or killed"
+                raise VideoError(path, f"a decoder process died while decoding {a:.2f}–{b:.2f} s ({how})") from None
             task = futures[fut]
             lost_pts = set(res.lost)
             for p, slots in zip(task.targets, task.slots):
@@ -195,17 +228,19 @@ def quickcodec_groups(path: str, pool: DecoderPool, *, fps=None, seconds=None, n
 
 def read_video(path: str | os.PathLike, *, fps: float | None = None, seconds=None, num_frames: int | None = None,
                size: int | tuple[int, int] | None = None, workers: int | None = None,
-               interpolation: str = "BICUBIC") -> tuple[torch.Tensor, torch.Tensor]:
+               interpolation: str = "BICUBIC", stream: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode the selected frames of `path` with QuickCodec.
 
     Returns (frames uint8 [N, 3, H, W], seconds float64 [N]), seconds relative to the video
     stream's first timestamp. Give one of `fps`, `seconds` (a list of times) or `num_frames`
     (evenly spaced, first and last included); none returns every frame. `size` is an int (square)
-    or (h, w); None keeps the video's size. `workers` decoder processes (default: the cores)."""
+    or (h, w); None keeps the video's size. `workers` decoder processes (default: the cores).
+    `stream`: which video stream, as an index into the container's streams (`container.streams[i]`
+    in PyAV); None: the one FFmpeg picks as best (`container.streams.best("video")`)."""
     workers = workers or len(os.sched_getaffinity(0))
     with DecoderPool(workers) as pool:
         groups = list(quickcodec_groups(str(path), pool, fps=fps, seconds=seconds, num_frames=num_frames,
-                                        size=_as_size(size), interpolation=interpolation))
+                                        size=_as_size(size), interpolation=interpolation, stream=stream))
     return _concat(groups)
 
 
@@ -225,11 +260,15 @@ class _Decoder(Stage):
     outputs = {"group": Out(FrameGroup, stream=True), "video": Out(VideoInfo)}
 
     def __init__(self, fps: float | None = 1.0, seconds: list | None = None, num_frames: int | None = None,
-                 size: Any = 448, group_frames: int = 0):
+                 size: Any = 448, group_frames: int = 0, stream: int | None = None):
         self.fps, self.seconds, self.num_frames = fps, seconds, num_frames
         self.size, self.group_frames = _as_size(size), group_frames
         if self.size is not None and (np.min(np.atleast_1d(self.size)) <= 0):
             raise ValueError(f"size={size}: height and width must be positive")
+        if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int) or stream < 0):
+            raise ValueError(f"stream={stream!r}: give a stream index (0, 1, ...), or null for FFmpeg's best "
+                             f"video stream")
+        self.stream = stream
 
     def _video(self, request: Request) -> str:
         if request is None or not request.video:
@@ -237,7 +276,7 @@ class _Decoder(Stage):
         return request.video
 
     def _select(self, path: str) -> _Selection:
-        return _Selection(path, self.fps, self.seconds, self.num_frames, self.size, self.group_frames)
+        return _Selection(path, self.fps, self.seconds, self.num_frames, self.size, self.group_frames, self.stream)
 
 
 class QuickCodec(_Decoder):
@@ -247,12 +286,14 @@ class QuickCodec(_Decoder):
     earliest first, and each group of `group_frames` frames is emitted once all its frames are in.
     seek_frames: within an interval, seek to the next needed keyframe instead of decoding when
     more than this many frames lie in between (sparse sampling; measured by bench_seek).
-    skip_nonref: do not decode H.264/HEVC frames nothing refers to unless they are selected."""
+    skip_nonref: do not decode H.264/HEVC frames nothing refers to unless they are selected.
+    stream: the video stream's index among the container's streams (null: FFmpeg's best)."""
 
     def __init__(self, fps: float | None = 1.0, seconds: list | None = None, num_frames: int | None = None,
                  size: Any = 448, group_frames: int = 0, workers: int = 2, intervals: int = 0,
-                 interpolation: str = "BICUBIC", seek_frames: int = 12, skip_nonref: bool = True):
-        super().__init__(fps, seconds, num_frames, size, group_frames)
+                 interpolation: str = "BICUBIC", seek_frames: int = 12, skip_nonref: bool = True,
+                 stream: int | None = None):
+        super().__init__(fps, seconds, num_frames, size, group_frames, stream)
         if workers < 1:
             raise ValueError(f"workers must be ≥ 1, got {workers}")
         self.workers, self.intervals = workers, intervals
@@ -269,7 +310,7 @@ class QuickCodec(_Decoder):
                                        num_frames=self.num_frames, size=self.size, intervals=self.intervals,
                                        group_frames=self.group_frames, interpolation=self.interpolation,
                                        seek_frames=self.seek_frames, skip_nonref=self.skip_nonref,
-                                       on_info=info.append):
+                                       stream=self.stream, on_info=info.append):
             ctx.emit("group", group)
         return {"video": info[0]}
 
@@ -284,8 +325,9 @@ class PyAVDecoder(_Decoder):
     workers=1: one thread; workers=N: FFmpeg's frame threads (N=0: FFmpeg picks, all cores)."""
 
     def __init__(self, fps: float | None = 1.0, seconds: list | None = None, num_frames: int | None = None,
-                 size: Any = 448, group_frames: int = 0, workers: int = 1, interpolation: str = "BICUBIC"):
-        super().__init__(fps, seconds, num_frames, size, group_frames)
+                 size: Any = 448, group_frames: int = 0, workers: int = 1, interpolation: str = "BICUBIC",
+                 stream: int | None = None):
+        super().__init__(fps, seconds, num_frames, size, group_frames, stream)
         self.threads, self.interpolation = workers, interpolation
 
     def __call__(self, ctx, request: Request):
@@ -309,7 +351,7 @@ class PyAVDecoder(_Decoder):
         next_group = 0
         container = open_container(sel.path)
         try:
-            vs = container.streams.video[0]
+            vs = container.streams[sel.index.stream]
             vs.thread_type = "AUTO" if self.threads != 1 else "NONE"  # before the codec opens
             vs.codec_context.thread_count = self.threads
             for packet in container.demux(vs):
@@ -347,8 +389,9 @@ class TorchCodecDecoder(_Decoder):
     antialiased; measured ~100 ms faster per 10 frames than resizing afterwards)."""
 
     def __init__(self, fps: float | None = 1.0, seconds: list | None = None, num_frames: int | None = None,
-                 size: Any = 448, group_frames: int = 0, workers: int = 0, seek_mode: str = "approximate"):
-        super().__init__(fps, seconds, num_frames, size, group_frames)
+                 size: Any = 448, group_frames: int = 0, workers: int = 0, seek_mode: str = "approximate",
+                 stream: int | None = None):
+        super().__init__(fps, seconds, num_frames, size, group_frames, stream)
         self.threads, self.seek_mode = workers, seek_mode
 
     def setup(self, ctx) -> None:
@@ -367,8 +410,8 @@ class TorchCodecDecoder(_Decoder):
             from torchcodec.transforms import Resize
 
             transforms = [Resize((sel.height, sel.width))]
-        decoder = VideoDecoder(path, seek_mode=self.seek_mode, num_ffmpeg_threads=self.threads, device="cpu",
-                               transforms=transforms)
+        decoder = VideoDecoder(path, stream_index=sel.index.stream, seek_mode=self.seek_mode,
+                               num_ffmpeg_threads=self.threads, device="cpu", transforms=transforms)
         offset = float(sel.index.start_pts * sel.index.time_base)  # torchcodec speaks absolute stream time
         for g in range(sel.n_groups):
             a, b = sel.group_range(g)
@@ -380,11 +423,12 @@ class TorchCodecDecoder(_Decoder):
 
 class DecordDecoder(_Decoder):
     """decord: `get_batch` of the selected frame indices with `workers` decoding threads
-    (0 = decord picks), resized by decord's own scaler."""
+    (0 = decord picks), resized by decord's own scaler. decord always opens FFmpeg's best video
+    stream: another `stream` is an error, never a silent decode of the wrong one."""
 
     def __init__(self, fps: float | None = 1.0, seconds: list | None = None, num_frames: int | None = None,
-                 size: Any = 448, group_frames: int = 0, workers: int = 0):
-        super().__init__(fps, seconds, num_frames, size, group_frames)
+                 size: Any = 448, group_frames: int = 0, workers: int = 0, stream: int | None = None):
+        super().__init__(fps, seconds, num_frames, size, group_frames, stream)
         self.threads = workers
 
     def setup(self, ctx) -> None:
@@ -398,6 +442,9 @@ class DecordDecoder(_Decoder):
 
         path = self._video(request)
         sel = self._select(path)
+        if self.stream is not None and self.stream != (best := default_video_stream(path)):
+            raise VideoError(path, f"decord decodes only the default video stream ({best}), not stream {self.stream}; "
+                                   f"decode it with the quickcodec, pyav or torchcodec stage")
         reader = decord.VideoReader(path, ctx=decord.cpu(0), width=sel.width, height=sel.height, num_threads=self.threads)
         # decord indexes frames in presentation order: our frame index is the pts's rank
         indices = np.searchsorted(sel.index.pts, sel.pts)

@@ -5,7 +5,7 @@ The pieces, in the order a decode uses them:
 
 - `scan`: demux the video stream's packets without decoding (audio and pts-less packets skipped);
   every packet pts is a frame's pts, so the scan *is* the frame timeline, never the container's
-  frame count.
+  frame count. The stream is FFmpeg's best video stream unless one is asked for by index.
 - `select_frames`: which frames to return, by timestamp relative to the stream's first pts: the
   frame on screen at each requested time (the last frame whose pts ≤ t).
 - `keyframe_intervals`: cut the stream at the keyframes nearest i/s of its length (seed Alg. 3).
@@ -19,12 +19,17 @@ The pieces, in the order a decode uses them:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
+import sys
+import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
+from multiprocessing.context import SpawnContext, SpawnProcess
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -98,13 +103,42 @@ def open_container(path: str | os.PathLike):
     return container
 
 
-def scan(path: str | os.PathLike) -> StreamIndex:
-    """Demux the first video stream's packets (no decoding) into a frame timeline."""
+def video_stream(container, path: str | os.PathLike, stream: int | None = None):
+    """The video stream to decode: `container.streams[stream]`, or by default the one FFmpeg
+    picks (av_find_best_stream, as PyAV's `streams.best`, torchcodec and decord do), which need
+    not be the first: a file may carry a small preview track before the main one."""
+    if stream is None:
+        return container.streams.best("video")
+    streams = container.streams
+    if isinstance(stream, bool) or not isinstance(stream, (int, np.integer)):
+        raise VideoError(path, f"stream={stream!r} is not a stream index")
+    stream = int(stream)
+    if 0 <= stream < len(streams) and streams[stream].type == "video":
+        return streams[stream]
+    video = ", ".join(f"{s.index} ({s.codec_context.width}x{s.codec_context.height} {s.codec_context.name})"
+                      for s in streams.video)
+    if not 0 <= stream < len(streams):
+        raise VideoError(path, f"has no stream {stream} (its video streams: {video})")
+    raise VideoError(path, f"stream {stream} is {streams[stream].type}, not video (its video streams: {video})")
+
+
+def default_video_stream(path: str | os.PathLike) -> int:
+    """Index of the video stream decoded when none is asked for."""
+    container = open_container(path)
+    try:
+        return video_stream(container, path).index
+    finally:
+        container.close()
+
+
+def scan(path: str | os.PathLike, stream: int | None = None) -> StreamIndex:
+    """Demux a video stream's packets (no decoding) into a frame timeline: `stream` (an index
+    into the container's streams), or by default FFmpeg's best video stream."""
     import av
 
     container = open_container(path)
     try:
-        vs = container.streams.video[0]
+        vs = video_stream(container, path, stream)
         pts, keys, no_pts = [], [], 0
         try:
             for packet in container.demux(vs):
@@ -283,6 +317,53 @@ def _attach(path: str, shape: tuple) -> tuple[mmap.mmap, np.ndarray]:
     finally:
         os.close(fd)
     return mm, np.frombuffer(mm, dtype=np.uint8).reshape(shape)
+
+
+# --------------------------------------------------------------------------------------------
+# starting decoder processes
+#
+# A spawned process first re-runs its parent's __main__ (by path, or by module name under -m; see
+# multiprocessing.spawn's get_preparation_data and prepare), so that functions defined there can
+# be unpickled. Decoder processes only ever run this module's functions, and re-running a
+# caller's unguarded script in them would call read_video again inside every one of them (where
+# starting processes is refused, so each one dies). So each decoder process is launched while
+# __main__ looks like an interactive session's (no __file__, no __spec__): the one case in which
+# multiprocessing leaves __main__ alone. forkserver would not help: its children are sent the
+# same preparation data and re-run __main__ too. The names are gone from __main__ only while a
+# process is being launched (a few milliseconds); the lock keeps two pools launching at once
+# from restoring each other's.
+# These classes live here, not beside the pool, because the process object is pickled to the
+# child by its class: the child imports this torch-free module to run it.
+
+_launching = threading.Lock()
+_MAIN_NAMES = ("__file__", "__spec__")
+
+
+@contextlib.contextmanager
+def _main_module_unnamed() -> Iterator[None]:
+    main = sys.modules.get("__main__")
+    main_vars = vars(main) if main is not None else {}
+    with _launching:
+        saved = {name: main_vars.pop(name) for name in _MAIN_NAMES if name in main_vars}
+        main_vars["__spec__"] = None
+        try:
+            yield
+        finally:
+            for name in _MAIN_NAMES:
+                main_vars.pop(name, None)
+            main_vars.update(saved)
+
+
+class SpawnWithoutMainProcess(SpawnProcess):
+    def start(self) -> None:
+        with _main_module_unnamed():
+            super().start()
+
+
+class SpawnWithoutMainContext(SpawnContext):
+    """spawn (never fork: the caller may hold threads), without re-running the caller's __main__."""
+
+    Process = SpawnWithoutMainProcess
 
 
 # --------------------------------------------------------------------------------------------

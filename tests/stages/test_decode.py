@@ -3,6 +3,8 @@ streaming equals one-shot; bad input is a clear error with nothing left behind."
 
 import _thread
 import os
+import subprocess
+import sys
 import threading
 import time
 from fractions import Fraction
@@ -15,7 +17,7 @@ import torch
 
 from video.codec import SharedFrames, StreamIndex, VideoError, decode_task, keyframe_intervals, plan_tasks, scan
 from stages.decode import DecoderPool, PyAVDecoder, _Selection, quickcodec_groups, read_video
-from tests.stages.videos import CASES, make_video, read_counter
+from tests.stages.videos import CASES, make_two_video_streams, make_video, read_counter
 
 SELECTIONS = {
     "every_frame": dict(size=None),
@@ -45,7 +47,8 @@ def pool():
 
 
 def reference(path, **sel):
-    s = _Selection(str(path), sel.get("fps"), sel.get("seconds"), sel.get("num_frames"), sel.get("size"), 0)
+    s = _Selection(str(path), sel.get("fps"), sel.get("seconds"), sel.get("num_frames"), sel.get("size"), 0,
+                   sel.get("stream"))
     frames, lost = PyAVDecoder(fps=None, size=None).decode(s)
     assert not lost
     return frames, torch.from_numpy(s.seconds)
@@ -244,7 +247,7 @@ def test_a_decoder_process_that_dies(slow_video):
     pids = pool.pids()
     killer = threading.Timer(0.5, lambda: [os.kill(p, 9) for p in pids])
     killer.start()
-    with pytest.raises(VideoError, match="slow.mp4: a decoder process died while decoding"):
+    with pytest.raises(VideoError, match=r"slow.mp4: a decoder process died while decoding .* s \(SIGKILL: out of mem"):
         list(quickcodec_groups(str(slow_video), pool, size=None))
     pool.shutdown()
     assert _reelflow_shm() == before
@@ -261,6 +264,45 @@ def test_ctrl_c_during_decode_leaves_nothing(slow_video):
     time.sleep(0.2)
     assert _reelflow_shm() == before
     assert set(multiprocessing.active_children()) <= children, "decoder processes left behind"
+
+
+# ------------------------------------------------------------------ from any caller
+
+REPO = Path(__file__).resolve().parents[2]
+
+CALLER_SCRIPT = """\
+from stages.decode import read_video
+frames, seconds = read_video({video!r}, fps=4, workers=2)
+print(tuple(frames.shape), len(seconds))
+"""
+
+
+@pytest.mark.parametrize("caller", ["script", "module", "-c", "stdin", "interactive"])
+def test_read_video_from_a_plain_unguarded_caller(caller, videos, tmp_path):
+    """No `if __name__ == "__main__":` guard needed: decoder processes never run the caller's
+    __main__ (a spawned child re-running this script would call read_video again, and die)."""
+    code = CALLER_SCRIPT.format(video=str(videos["h264_closed_gop"]["path"]))
+    script = tmp_path / "my_script.py"
+    script.write_text(code)
+    command, stdin = {"script": ([sys.executable, str(script)], None),
+                      "module": ([sys.executable, "-m", "my_script"], None),
+                      "-c": ([sys.executable, "-c", code], None),
+                      "stdin": ([sys.executable, "-"], code),            # __main__.__file__ is "<stdin>"
+                      "interactive": ([sys.executable, "-i"], code)}[caller]  # no __file__ at all
+    # the worktree's packages first (an installed reelflow may point elsewhere); tmp_path for -m
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(tmp_path)])}
+    run = subprocess.run(command, cwd=REPO, env=env, input=stdin, capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "(12, 3, 120, 160) 12" in run.stdout.splitlines(), run.stderr[-3000:]  # 3 s at 4 fps, native size
+
+
+def test_starting_decoder_processes_leaves_main_as_it_was():
+    main = vars(sys.modules["__main__"])
+    before = {name: main.get(name, "absent") for name in ("__file__", "__spec__")}
+    with DecoderPool(1) as pool:
+        pool.warm()
+    assert {name: main.get(name, "absent") for name in ("__file__", "__spec__")} == before
 
 
 # ------------------------------------------------------------------ as stages in a graph
@@ -286,21 +328,30 @@ def test_decode_graph_streams_groups_through_the_executor(videos):
     assert info.selected == 24 and info.n_frames == 72 and info.metrics()["video"]["frames"] == 24
 
 
-@pytest.mark.parametrize("stage", ["PyAVDecoder", "TorchCodecDecoder", "DecordDecoder"])
-def test_reference_decoders_give_the_same_selection(stage, videos):
-    """Same frames and timestamps as PyAV's; torchcodec/decord convert and resize their own way,
-    so their pixels are compared loosely. A decoder that is not installed fails here, loudly."""
+def run_stage(stage: str, path, **params):
+    """One request through a decode stage, outside a graph: (groups, VideoInfo)."""
     from graph.context import StageContext
     from stages import decode
     from stages.types import Request
 
-    path = str(videos["h264_closed_gop"]["path"])
     groups = []
     ctx = StageContext("decode", 0, torch.device("cpu"), None, lambda port, g: groups.append(g), lambda p: None,
                        lambda: False)
-    dec = getattr(decode, stage)(fps=4, size=None, group_frames=5, workers=1)
+    dec = getattr(decode, stage)(**params)
     dec.setup(ctx)
-    info = dec(ctx, Request(video=path))["video"]
+    try:
+        info = dec(ctx, Request(video=str(path)))["video"]
+    finally:
+        dec.close()
+    return groups, info
+
+
+@pytest.mark.parametrize("stage", ["PyAVDecoder", "TorchCodecDecoder", "DecordDecoder"])
+def test_reference_decoders_give_the_same_selection(stage, videos):
+    """Same frames and timestamps as PyAV's; torchcodec/decord convert and resize their own way,
+    so their pixels are compared loosely. A decoder that is not installed fails here, loudly."""
+    path = str(videos["h264_closed_gop"]["path"])
+    groups, info = run_stage(stage, path, fps=4, size=None, group_frames=5, workers=1)
     got = torch.cat([g.frames for g in groups])
     want, want_s = reference(path, fps=4, size=None)
     assert torch.equal(torch.cat([g.seconds for g in groups]), want_s) and info.selected == len(want)
@@ -309,6 +360,69 @@ def test_reference_decoders_give_the_same_selection(stage, videos):
     assert diff < (0.01 if stage == "PyAVDecoder" else 6.0), f"{stage}: mean abs pixel difference {diff:.2f}"
     frame_ids = [read_counter(f.permute(1, 2, 0).numpy()) for f in got]
     assert frame_ids == list(range(0, 72, 6))
+
+
+# ------------------------------------------------------------------ which video stream
+
+
+@pytest.fixture(scope="module")
+def two_streams(tmp_path_factory):
+    return make_two_video_streams(tmp_path_factory.mktemp("streams"))
+
+
+def pyav_frames(path, stream: int) -> torch.Tensor:
+    """Every frame of `container.streams[stream]` as PyAV alone decodes it: uint8 [n, 3, H, W]."""
+    with av.open(str(path)) as c:
+        rgb = [f.to_ndarray(format="rgb24") for f in c.decode(c.streams[stream])]
+    return torch.from_numpy(np.stack(rgb)).permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("stream", [None, 0, 2])
+def test_read_video_decodes_ffmpegs_best_video_stream_unless_told(stream, two_streams):
+    want = pyav_frames(two_streams["path"], two_streams["main"] if stream is None else stream)
+    frames, seconds = read_video(two_streams["path"], size=None, workers=2, stream=stream)
+    assert frames.shape == want.shape and torch.equal(frames, want)
+    assert len(seconds) == two_streams["n_frames"]
+
+
+@pytest.mark.parametrize("selection", ["fps5_resized", "seconds"])
+@pytest.mark.parametrize("stream", [None, 0])
+def test_quickcodec_is_byte_identical_on_the_chosen_stream(stream, selection, two_streams, pool):
+    path = two_streams["path"]
+    want, want_s = reference(path, stream=stream, **SELECTIONS[selection])
+    got, got_s, _ = quick(path, pool, stream=stream, **SELECTIONS[selection])
+    assert torch.equal(got_s, want_s) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("stream", "reason"), [(1, "stream 1 is audio, not video"), (3, "has no stream 3"),
+                                                (-1, "has no stream -1")])
+def test_a_stream_that_is_not_a_video_stream(stream, reason, two_streams):
+    with pytest.raises(VideoError, match=rf"two_video_streams.mp4: {reason} "
+                                         r"\(its video streams: 0 \(80x60 h264\), 2 \(160x120 h264\)\)"):
+        read_video(two_streams["path"], fps=1, stream=stream)
+
+
+@pytest.mark.parametrize("stream", [None, 0, 2])
+@pytest.mark.parametrize("stage", ["QuickCodec", "PyAVDecoder", "TorchCodecDecoder", "DecordDecoder"])
+def test_every_decode_stage_takes_the_stream_asked_for(stage, stream, two_streams):
+    path = two_streams["path"]
+    chosen = two_streams["main"] if stream is None else stream
+    if stage == "DecordDecoder" and chosen != two_streams["main"]:
+        with pytest.raises(VideoError, match=r"decord decodes only the default video stream \(2\), not stream 0"):
+            run_stage(stage, path, fps=4, size=None, workers=1, stream=stream)
+        return
+    groups, _ = run_stage(stage, path, fps=4, size=None, workers=1, stream=stream)
+    got = torch.cat([g.frames for g in groups])
+    want = pyav_frames(path, chosen)[::6]  # 24 fps at 4 fps
+    assert got.shape == want.shape
+    diff = (got.float() - want.float()).abs().mean()
+    assert diff < (0.01 if stage in ("QuickCodec", "PyAVDecoder") else 6.0), f"{stage}: mean abs difference {diff:.2f}"
+
+
+@pytest.mark.parametrize("stream", [-1, "main", 1.0, True])
+def test_a_decode_stage_wants_a_stream_index(stream):
+    with pytest.raises(ValueError, match="give a stream index"):
+        PyAVDecoder(stream=stream)
 
 
 def test_decoder_workers_stay_light(videos, pool):

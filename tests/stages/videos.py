@@ -321,6 +321,50 @@ def make_video(case: str, path: Path) -> dict:
     return facts
 
 
+# --------------------------------------------------------------------------- several streams
+
+def preview_rgb(i: int) -> np.ndarray:
+    """Frame ``i`` of the preview track: half size and inverted, so no byte matches the main one."""
+    return np.ascontiguousarray(255 - frame_rgb(i)[::2, ::2])
+
+
+def make_two_video_streams(path: Path) -> dict:
+    """An mp4 whose first stream is a small preview video, then an audio track, then the main
+    video (flagged default): FFmpeg's best video stream is the last, not the first.
+
+    ``path`` is a directory (file ``two_video_streams.mp4``) or a file prefix (``.mp4`` added).
+    """
+    path = Path(path)
+    out_path = path / "two_video_streams.mp4" if path.is_dir() else path.with_name(path.name + ".mp4")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(out_path), "w", format="mp4") as out:
+        preview = out.add_stream("libx264", rate=FPS)
+        preview.width, preview.height, preview.pix_fmt = W // 2, H // 2, "yuv420p"
+        preview.options = {"preset": "veryfast", "x264-params": _X264.format(k=12) + ":bframes=0"}
+        audio = out.add_stream("aac", rate=AUDIO_RATE, layout="mono")
+        main = out.add_stream("libx264", rate=FPS)
+        main.width, main.height, main.pix_fmt = W, H, "yuv420p"
+        main.options = {"preset": "veryfast", "x264-params": _X264.format(k=24) + ":bframes=2"}
+        # mp4 flags the first track of a kind as default unless told otherwise; FFmpeg's choice
+        # of the best stream prefers the default one
+        main.disposition = av.stream.Disposition.default
+        for i in range(N_FRAMES):
+            for stream, rgb in ((preview, preview_rgb(i)), (main, frame_rgb(i))):
+                frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
+                frame.pts = i
+                out.mux(stream.encode(frame))
+        for af in _audio_frames(N_FRAMES / FPS):
+            out.mux(audio.encode(af))
+        for stream in (preview, audio, main):
+            out.mux(stream.encode(None))
+    facts = {"path": out_path, "n_frames": N_FRAMES, "preview": 0, "audio": 1, "main": 2,
+             "sizes": {0: (H // 2, W // 2), 2: (H, W)}}
+    with av.open(str(out_path)) as c:
+        assert [s.type for s in c.streams] == ["video", "audio", "video"]
+        assert c.streams.best("video").index == facts["main"], "FFmpeg's best video stream is not the main one"
+    return facts
+
+
 # --------------------------------------------------------------------------- self-test
 
 def test_every_case_generates_and_decodes(tmp_path):
@@ -350,3 +394,14 @@ def test_every_case_generates_and_decodes(tmp_path):
             assert np.allclose(np.array(pts) - pts[0], facts["pts_s"], atol=1e-3)
         if case == "rotated":
             assert frames[0].rotation == 90
+
+
+def test_two_video_streams_generate_and_decode(tmp_path):
+    facts = make_two_video_streams(tmp_path)
+    with av.open(str(facts["path"])) as c:
+        main = [f.to_ndarray(format="rgb24") for f in c.decode(c.streams[facts["main"]])]
+    with av.open(str(facts["path"])) as c:
+        preview = [f.to_ndarray(format="rgb24") for f in c.decode(c.streams[facts["preview"]])]
+    assert len(main) == len(preview) == facts["n_frames"]
+    assert main[0].shape == (H, W, 3) and preview[0].shape == (H // 2, W // 2, 3)
+    assert [read_counter(f) for f in main] == list(range(facts["n_frames"]))
