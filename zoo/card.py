@@ -60,7 +60,7 @@ def agreement(draft, frames, fps, answer: list[int]) -> tuple[int, int]:
 
 
 def frames_of(seed: int, seconds: float, fps: float) -> tuple[torch.Tensor, world.Truth]:
-    from stages.decode import read_video
+    from video import read_video
 
     path, truth = ensure_video(seed, seconds)
     frames, _ = read_video(path, fps=fps, size=84)

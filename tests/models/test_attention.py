@@ -57,7 +57,7 @@ def test_grouped_attention_applies_an_explicit_mask():
 def test_a_model_with_reelflow_attention_decodes_like_generate(tmp_path):
     from models.load import load_model
     from zoo.videos import make_video
-    from stages.decode import read_video
+    from video import read_video
     from tests.models.test_adapters import random_checkpoint
 
     path = random_checkpoint(tmp_path / "model", "qwen-target", seed=3)

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from video.codec import SharedFrames, StreamIndex, VideoError, decode_task, keyframe_intervals, plan_tasks, scan
-from stages.decode import DecoderPool, PyAVDecoder, _Selection, quickcodec_groups, read_video
+from stages.decode import PyAVDecoder
+from video.quickcodec import DecoderPool, Selection, quickcodec_groups, read_video
 from tests.stages.videos import CASES, make_two_video_streams, make_video, read_counter
 
 SELECTIONS = {
@@ -47,7 +48,7 @@ def pool():
 
 
 def reference(path, **sel):
-    s = _Selection(str(path), sel.get("fps"), sel.get("seconds"), sel.get("num_frames"), sel.get("size"), 0,
+    s = Selection(str(path), sel.get("fps"), sel.get("seconds"), sel.get("num_frames"), sel.get("size"), 0,
                    sel.get("stream"))
     frames, lost = PyAVDecoder(fps=None, size=None).decode(s)
     assert not lost
@@ -180,7 +181,7 @@ def test_truncated_file_decodes_what_is_there_and_says_what_was_lost(videos, tmp
     cut.write_bytes(src[: len(src) * 6 // 10])
     frames, seconds = read_video(cut, size=None, workers=2)
     assert 10 < len(frames) < videos["mkv_h264"]["n_frames"]
-    ref_sel = _Selection(str(cut), None, None, None, None, 0)
+    ref_sel = Selection(str(cut), None, None, None, None, 0)
     ref, lost = PyAVDecoder(fps=None, size=None).decode(ref_sel)
     keep = [i for i in range(ref_sel.n) if i not in lost]
     assert torch.equal(frames, ref[keep])

@@ -47,7 +47,7 @@ def run_graph(nodes, request):
 
 
 def reference_ids(model: dict, video: str, prompt: str, n: int) -> list[int]:
-    from stages.decode import read_video
+    from video import read_video
 
     lm = load_model(model["path"])
     frames, _ = read_video(video, fps=model["fps"], size=model["size"])
