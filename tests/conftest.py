@@ -5,6 +5,7 @@ import threading
 import pytest
 
 from graph.workers import leave_realtime_scheduling
+from tests.video.videos import CASES, make_two_video_streams, make_video
 
 
 @pytest.fixture
@@ -26,3 +27,16 @@ def stays_time_shared():
     yield
     if leave_realtime_scheduling():
         pytest.fail("the test left the process under a real-time scheduling policy (SCHED_FIFO/RR)")
+
+
+@pytest.fixture(scope="session")
+def videos(tmp_path_factory):
+    """One small file of every kind in tests/video/videos.py (codecs, containers, GOPs), made once."""
+    root = tmp_path_factory.mktemp("videos")
+    return {case: make_video(case, root / case) for case in CASES}
+
+
+@pytest.fixture(scope="session")
+def two_streams(tmp_path_factory):
+    """An mp4 whose best video stream is not its first (see make_two_video_streams)."""
+    return make_two_video_streams(tmp_path_factory.mktemp("streams"))

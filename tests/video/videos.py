@@ -12,7 +12,7 @@ Usage::
 
 Run the self-test explicitly (the file name is not ``test_*.py``)::
 
-    python -m pytest tests/stages/videos.py -q
+    python -m pytest tests/video/videos.py -q
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import av
 import numpy as np
+import torch
 
 W, H = 160, 120  # multiples of 8/16: every encoder here accepts them as-is
 FPS = 24
@@ -405,3 +406,24 @@ def test_two_video_streams_generate_and_decode(tmp_path):
     assert len(main) == len(preview) == facts["n_frames"]
     assert main[0].shape == (H, W, 3) and preview[0].shape == (H // 2, W // 2, 3)
     assert [read_counter(f) for f in main] == list(range(facts["n_frames"]))
+
+
+# ------------------------------------------------------------------ reference decodes
+
+def reference(path, **sel):
+    """The selection `sel` as sequential single-threaded PyAV decodes it: (uint8 [n, 3, H, W], seconds [n])."""
+    from stages.decode import PyAVDecoder
+    from video.quickcodec import Selection
+
+    s = Selection(str(path), sel.get("fps"), sel.get("seconds"), sel.get("num_frames"), sel.get("size"), 0,
+                   sel.get("stream"))
+    frames, lost = PyAVDecoder(fps=None, size=None).decode(s)
+    assert not lost
+    return frames, torch.from_numpy(s.seconds)
+
+
+def pyav_frames(path, stream: int) -> torch.Tensor:
+    """Every frame of `container.streams[stream]` as PyAV alone decodes it: uint8 [n, 3, H, W]."""
+    with av.open(str(path)) as c:
+        rgb = [f.to_ndarray(format="rgb24") for f in c.decode(c.streams[stream])]
+    return torch.from_numpy(np.stack(rgb)).permute(0, 3, 1, 2)
