@@ -24,7 +24,7 @@ from models.decoding import greedy_answer
 from models.load import load_model
 from zoo import captions, world
 from zoo.card import PROMPT, answer_budget
-from zoo.train import example
+from zoo.train.data import example
 
 DEFAULT_CASES = "30:2-6,120:8-24,30:1.25-2.5,60:1.25-2.5"
 

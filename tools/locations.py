@@ -24,7 +24,7 @@ from models.decoding import greedy_answer
 from models.load import load_model
 from zoo import captions, world
 from zoo.card import PROMPT, answer_budget, frames_of
-from zoo.train import cell_labels
+from zoo.train.labels import cell_labels
 
 
 def kind_of(key: tuple[str, ...]) -> str:
