@@ -15,7 +15,8 @@ part of the saved model:
   - `ground_weight`: one upper-layer head attends where the event being stated is shown;
   - `chain_weight`: one middle-layer head looks from event j's tokens at event j - 1's;
   - `teacher`: KL(teacher ‖ model) on the answer (a draft distilled from its target).
-Check: `caption_f1`, the event F1 of greedy descriptions of held-out worlds.
+Check: `caption_f1`, the event F1 of greedy descriptions of held-out worlds, decoded by reelflow's
+own loop over the model adapter (models.decoding), as the Generate stage and the model card do.
 """
 
 from __future__ import annotations
@@ -27,14 +28,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from models.decoding import greedy_answer
+from models.load import adapted
 from models.preprocess import CLIP_MEAN, CLIP_STD, SIGLIP_MEAN, SIGLIP_STD
 from zoo import WEIGHTS, captions
+from zoo.card import answer_budget
 from zoo.shapes import FPS, FRAME_SIZE, zoo_config
 from zoo.tokenizer import build_tokenizer
 from zoo.train import config as settings
 from zoo.train import loop
 from zoo.train.config import ToyConfig
-from zoo.train.data import Batches, example, model_inputs, shifted_positions
+from zoo.train.data import Batches, example, shifted_positions
 from zoo.train.labels import AUX, EVENT_CLASSES
 from zoo.train.losses import distill_loss, grounding_loss, probe_loss, rare_class_loss
 
@@ -223,18 +227,15 @@ def step_losses(net, heads: dict, batch: dict, teacher=None, ground_layer: int |
 
 @torch.no_grad()
 def caption_f1(model, tokenizer, seeds, seconds: float) -> float:
-    """Mean event F1 of greedy descriptions of held-out worlds `seeds` of `seconds` s."""
-    model.eval()
+    """Mean event F1 of the greedy descriptions of held-out worlds `seeds` of `seconds` s (rendered
+    frames), by `model` (a transformers model in memory, left as it was found) through the adapter."""
+    arch = model.config.model_type
     f1 = []
-    device = next(model.parameters()).device
-    for seed in seeds:
-        ex = example(int(seed), seconds, FPS[model.config.model_type])
-        batch = loop.to_device(model_inputs(model.config, tokenizer, [ex], with_answers=False), device)
-        budget = 8 * len(ex.truth.events) + 16
-        out = model.generate(**batch, max_new_tokens=budget, do_sample=False)
-        text = tokenizer.decode(out[0, batch["input_ids"].shape[1]:].cpu(), skip_special_tokens=True)
-        f1.append(captions.score(text, ex.truth)["f1"])
-    model.train()
+    with adapted(model, tokenizer, preprocessor_config(arch)) as lm:
+        for seed in seeds:
+            ex = example(int(seed), seconds, FPS[arch])
+            answer = greedy_answer(lm, ex.frames, ex.fps, ex.prompt, answer_budget(ex.truth))
+            f1.append(captions.score(tokenizer.decode(answer, skip_special_tokens=True), ex.truth)["f1"])
     return float(np.mean(f1))
 
 

@@ -214,7 +214,8 @@ def test_each_loss_term_equals_an_independent_computation(name):
 
 def test_two_runs_with_one_seed_train_the_same_and_the_check_does_not_disturb_training(tmp_path):
     """Same seed, same settings: the same losses at every step and the same saved weights; and a run
-    that checks its F1 after every step trains exactly like one that never does."""
+    that checks its F1 after every step trains exactly like one that never does (the check lends
+    the model to the adapter and gets it back as it was)."""
     import hashlib
 
     keys = {"model": "qwen-draft", "steps": 2, "batch_size": 2, "seconds": (4, 4), "warm_seconds": (4, 4),
