@@ -55,6 +55,10 @@ def train(progress: bool | None = None, **keys) -> dict:
 
 
 class ToyRecipe(loop.Recipe):
+    """A zoo model from its shape (or `init`), the probe heads its losses need and a frozen teacher;
+    toy-world batches; the step's losses by name (step_losses); the F1 check; a transformers
+    checkpoint in bf16."""
+
     def __init__(self, config: ToyConfig):
         self.config, self.name = config, config.model
 
