@@ -35,18 +35,15 @@ def main(cfg: DictConfig) -> float | None:
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     if cfg.get("train"):      # +experiment=train_toy: training, not a graph
-        import inspect
         import json
 
-        from zoo.train import train
+        from zoo.train.toy import train
 
-        kwargs = OmegaConf.to_container(cfg.train, resolve=True)
-        try:
-            inspect.signature(train).bind(**kwargs)
-        except TypeError as e:
-            print(f"reelflow: train: {e} (keys: {', '.join(inspect.signature(train).parameters)})", file=sys.stderr)
+        try:      # the keys are checked before anything is built
+            result = train(progress=cfg.executor.get("progress"), **OmegaConf.to_container(cfg.train, resolve=True))
+        except ConfigError as e:
+            print(f"reelflow: {e}", file=sys.stderr)
             sys.exit(2)
-        result = train(**kwargs, progress=cfg.executor.get("progress"))
         (run_dir / "metrics.json").write_text(json.dumps({"experiment": cfg.get("experiment"), **result}, indent=2))
         return result["train_s"]
     try:
@@ -70,5 +67,23 @@ def main(cfg: DictConfig) -> float | None:
     return metrics["wall_s"]
 
 
+def check_train_keys(argv: list[str]) -> None:
+    """Hydra refuses an override of a key its config lacks before `main` runs (status 1, a message
+    about structs); a misspelt `train.KEY=...` gets the trainer's own message instead, with the
+    closest valid keys, and status 2 like every other config error."""
+    keys = [arg.split("=", 1)[0].removeprefix("train.") for arg in argv if arg.startswith("train.") and "=" in arg]
+    if not keys:
+        return
+    from graph.spec import ConfigError
+    from zoo.train.config import LoopConfig, ToyConfig, check_keys
+
+    try:
+        check_keys(keys, LoopConfig, ToyConfig)
+    except ConfigError as e:
+        print(f"reelflow: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
+    check_train_keys(sys.argv[1:])
     main()

@@ -5,10 +5,12 @@ and `trust_remote_code` stays off.
     lm = load_model("zoo/weights/qwen-target")
     lm = load_model("Qwen/Qwen2.5-VL-7B-Instruct", dtype="bfloat16", device="cuda", attn_implementation="sdpa")
     lm = load_model("random:qwen2.5-vl-32b", dtype="bfloat16", device="cuda")     # real shape, random weights (models.shapes)
+    with adapted(net, tokenizer, preprocess) as lm: ...      # a model in memory (one being trained), lent
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -87,10 +89,37 @@ def _preprocess(where: str) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _adapt(arch, model, tokenizer, preprocess, name, dtype, device, attn_implementation):
+def adapt(model, tokenizer, preprocess: dict | None = None, name: str | None = None):
+    """The VideoLM over a transformers model already in memory (its weights, device and dtype as
+    they are). The adapter puts the model in eval mode and may choose the vision tower's attention
+    implementation (QwenVL): to lend a model that is being trained, use `adapted`."""
+    arch = model.config.model_type
+    if arch not in ADAPTERS:
+        raise ModelError(f"a {arch!r} model; reelflow adapts {', '.join(ADAPTERS)}")
     module, cls = ADAPTERS[arch].split(":")
     adapter = getattr(__import__(module, fromlist=[cls]), cls)
-    lm = adapter(model, tokenizer, preprocess, name)
+    return adapter(model, tokenizer, dict(preprocess or {}), name or arch)
+
+
+@contextlib.contextmanager
+def adapted(model, tokenizer, preprocess: dict | None = None, name: str | None = None):
+    """`adapt(...)` for the length of a `with` block, after which the model is in the mode (train or
+    eval) and has the attention implementations it had before: a model in training can be checked
+    through reelflow's own decoding and go on training exactly as it would have."""
+    configs = [model.config, *(getattr(model.config, k, None) for k in ("text_config", "vision_config"))]
+    configs = [c for c in configs if c is not None]
+    implementations = [c._attn_implementation for c in configs]
+    training = model.training
+    try:
+        yield adapt(model, tokenizer, preprocess, name)
+    finally:
+        for c, implementation in zip(configs, implementations):
+            c._attn_implementation = implementation
+        model.train(training)
+
+
+def _adapt(arch, model, tokenizer, preprocess, name, dtype, device, attn_implementation):
+    lm = adapt(model, tokenizer, preprocess, name)
     log.info("loaded %s (%s, %.2f M parameters, %s, %s, %s)", lm.name, arch,
              sum(p.numel() for p in model.parameters()) / 1e6, dtype, device, attn_implementation)
     return lm

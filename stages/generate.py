@@ -1,7 +1,8 @@
 """generate: the autoregressive baseline: one target step per token, greedy or sampled.
 
-Greedy (temperature 0) is token-identical to the model's own `generate(do_sample=False)`;
-tests check it for both architectures. The first token is published on `first` the moment it
+The loop is models.decoding's, shared with the model card and the trainer's check; greedy
+(temperature 0) is token-identical to the model's own `generate(do_sample=False)`; tests check
+it for both architectures. The first token is published on `first` the moment it
 is known (time to first token), the whole answer on `tokens` at the end.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from graph.stage import In, Out, Stage
+from models.decoding import decode
 from models.registry import get_model
 from models.sampling import Sampling
 from stages.types import KV, Tokens
@@ -35,18 +37,14 @@ class Generate(Stage):
         return self.sampling.pick(logits, rng)[0]
 
     def __call__(self, ctx, kv: KV):
-        lm, layout, cache = self.lm, kv.meta["layout"], kv.cache
+        lm = self.lm
         rng = torch.Generator().manual_seed(self.seed)
-        logits, n, out = kv.meta["logits"], kv.logical_length, []
-        while True:
-            token = self._pick(logits, rng)
+        out = []
+        for token in decode(lm, kv.cache, kv.meta["logits"], kv.logical_length, kv.meta["layout"],
+                            self.max_new_tokens, lambda logits: self._pick(logits, rng)):
             out.append(token)
             if len(out) == 1:
                 ctx.emit("first", Tokens([token]))
-            if token in lm.eos_ids or len(out) == self.max_new_tokens:
-                break
-            logits = lm.score(cache, torch.tensor([token]), n, layout)[-1]
-            n += 1
         text = lm.tokenizer.decode(out, skip_special_tokens=True)
         meta = {"model": lm.name, "n_video_tokens": kv.meta.get("n_video_tokens"),
                 "prompt_tokens": kv.logical_length, "stopped": "eos" if out[-1] in lm.eos_ids else "max_new_tokens",

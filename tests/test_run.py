@@ -54,11 +54,11 @@ def run(*args, timeout=240):
 def test_every_experiment_composes_and_validates(name):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"+experiment={name}"])
-    if cfg.get("train"):       # train_toy runs the trainer, not a graph: its keys must bind to train()
-        import inspect
+    if cfg.get("train"):       # train_toy runs the trainer, not a graph: its keys must parse (and check)
+        from omegaconf import OmegaConf
 
-        from zoo.train import train
-        inspect.signature(train).bind(**cfg.train)
+        from zoo.train.config import parse
+        parse(OmegaConf.to_container(cfg.train, resolve=True))
         return
     spec, plan = prepare(cfg)  # the whole validation, no stage is built
     assert spec.nodes and plan.nodes
@@ -139,6 +139,17 @@ def test_bad_input_is_one_clear_message(args, code, expect, tmp_path):
     out = run(*args, f"hydra.run.dir={tmp_path / 'run'}")
     assert out.returncode == code, out.stderr
     assert expect in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["train.stepz=5"], "train.stepz: no such key; did you mean train.steps?"),
+    (["+train.warmpu=5"], "train.warmpu: no such key; did you mean train.warmup"),
+    (["train.precision=fp16", "train.steps=0"], "invalid config (2 problems):"),
+], ids=["misspelt", "misspelt-appended", "out-of-range"])
+def test_a_bad_train_key_is_one_clear_message_before_anything_trains(args, expect, tmp_path):
+    out = run("+experiment=train_toy", *args, f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 2, out.stderr
+    assert expect in out.stderr and "Traceback" not in out.stderr and "step 1" not in out.stderr
 
 
 def test_stage_failure_exits_1_and_names_node_and_item(tmp_path):

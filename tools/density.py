@@ -20,10 +20,11 @@ import statistics
 import torch
 from tqdm import tqdm
 
+from models.decoding import greedy_answer
 from models.load import load_model
 from zoo import captions, world
-from zoo.card import greedy_answer
-from zoo.train import example
+from zoo.card import PROMPT, answer_budget
+from zoo.train.data import example
 
 DEFAULT_CASES = "30:2-6,120:8-24,30:1.25-2.5,60:1.25-2.5"
 
@@ -54,7 +55,7 @@ def measure(model: str, cases, videos: int = 12, first_seed: int = 200) -> list[
         for seed in tqdm(range(first_seed, first_seed + videos), desc=f"{seconds:g} s, gaps {gaps[0]:g}-{gaps[1]:g} s"):
             ex = example(seed, seconds, lm.fps, gap_s=gaps)
             with torch.inference_mode():
-                ids = greedy_answer(lm, ex.frames, lm.fps, 8 * len(ex.truth.events) + 16)
+                ids = greedy_answer(lm, ex.frames, lm.fps, PROMPT, answer_budget(ex.truth))
             f1s.append(captions.score(lm.tokenizer.decode(ids, skip_special_tokens=True), ex.truth)["f1"])
             events.append(len(ex.truth.events))
         rows.append({"seconds": seconds, "gaps": gaps, "events": statistics.mean(events),

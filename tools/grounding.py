@@ -7,9 +7,10 @@ zoo's 120-s goal.
 Teacher-forced on the reference description of each held-out video, by clause j (the j-th event
 stated): the attention mass the grounding head (the first head of `--layer`, by default the
 second-to-last, as `train.ground_layer`) puts on the visual tokens that show event j
-(`train.event_tokens`), and the share of clause j's tokens the model predicts greedily. A model that
-finds each event from where the text is, rather than from what it has stated, holds up to the
-number of events it was trained on and falls off after (README, "Keeping its place").
+(`zoo.train.labels.event_tokens`), and the share of clause j's tokens the model predicts
+greedily. A model that finds each event from where the text is, rather than from what it has
+stated, holds up to the number of events it was trained on and falls off after (README, "Keeping
+its place").
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import argparse
 import torch
 from transformers import AutoModelForImageTextToText
 
+from zoo.shapes import FPS
 from zoo.tokenizer import build_tokenizer
-from zoo.train import FPS, example, model_inputs
+from zoo.train.data import example, model_inputs
 
 
 def by_clause(net, tokenizer, seeds, seconds: float, layer: int | None = None) -> dict[str, list[float]]:

@@ -22,7 +22,7 @@ from models.load import load_model
 from stages.prune import key_norm_scores
 from zoo import world
 from zoo.shapes import FRAME_SIZE
-from zoo.train import cell_labels
+from zoo.train.labels import cell_labels
 from zoo.videos import render
 
 

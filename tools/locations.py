@@ -20,10 +20,11 @@ from collections import Counter
 
 import torch
 
+from models.decoding import greedy_answer
 from models.load import load_model
 from zoo import captions, world
-from zoo.card import frames_of, greedy_answer
-from zoo.train import cell_labels
+from zoo.card import PROMPT, answer_budget, frames_of
+from zoo.train.labels import cell_labels
 
 
 def kind_of(key: tuple[str, ...]) -> str:
@@ -84,7 +85,7 @@ def measure(model: str, videos: int = 24, first_seed: int = 0, seconds: float = 
         frames, truth = frames_of(seed, seconds, lm.fps)
         with torch.inference_mode():
             tokens.append(lm.encode(frames))
-            text = lm.tokenizer.decode(greedy_answer(lm, frames, lm.fps, 8 * len(truth.events) + 16),
+            text = lm.tokenizer.decode(greedy_answer(lm, frames, lm.fps, PROMPT, answer_budget(truth)),
                                        skip_special_tokens=True)
         cells.append(cell_labels(world.make_world(seed, seconds), lm.fps, frames.shape[0], lm.frames_per_step))
         described.append((text, truth))

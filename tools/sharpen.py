@@ -13,8 +13,9 @@ over more keys (README, "Models and the toy zoo" records what it did). Works for
 
 `--logn L`: no checkpoint is written. Each query that sees n keys is scaled by (log n / log L)^P
 (1 up to n = L), as Qwen-1's "logn" attention does, through an attention function registered for
-the language model only; the F1 of greedy descriptions (the trainer's `caption_f1`: rendered
-frames, transformers' generate) on validation seeds is printed for each power P and length.
+the language model only; the F1 of greedy descriptions (the trainer's check,
+`zoo.train.toy.caption_f1`: rendered frames, reelflow's greedy decoding) on validation seeds is
+printed for each power P and length.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def probe_logn(source: str, length: float, powers, seconds, seeds) -> list[dict]
     from transformers.masking_utils import sdpa_mask
 
     from zoo.tokenizer import build_tokenizer
-    from zoo.train import caption_f1
+    from zoo.train.toy import caption_f1
 
     power_now = {"p": 0.0}
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from models.decoding import greedy_answer, prefill_video
 from models.load import load_model
 from zoo import WEIGHTS, captions, world
 from zoo.videos import ensure_video
@@ -28,28 +29,14 @@ PROMPT = "describe the video ."
 PAIRS = (("qwen-target", "qwen-draft"), ("llava-target", "llava-draft"))
 
 
-def prefill_video(lm, frames: torch.Tensor, fps: float, prompt: str = PROMPT):
-    layout = lm.layout(prompt, frames.shape[0], tuple(frames.shape[-2:]), fps)
-    cache = lm.new_cache()
-    logits = lm.prefill(cache, lm.embed(layout.ids, lm.encode(frames), layout.video_start), layout.positions)
-    return cache, layout, logits
-
-
-def greedy_answer(lm, frames, fps, max_new_tokens: int) -> list[int]:
-    cache, layout, logits = prefill_video(lm, frames, fps)
-    out, pos = [], layout.length
-    while len(out) < max_new_tokens:
-        out.append(int(logits.argmax()))
-        if out[-1] in lm.eos_ids:
-            break
-        logits = lm.score(cache, torch.tensor(out[-1:]), pos, layout)[-1]
-        pos += 1
-    return out
+def answer_budget(truth: world.Truth) -> int:
+    """The tokens a description may take: room for every event's clause (each a few words) and more."""
+    return 8 * len(truth.events) + 16
 
 
 def agreement(draft, frames, fps, answer: list[int]) -> tuple[int, int]:
     """(positions where the draft's greedy token equals the target's, positions)."""
-    cache, layout, logits = prefill_video(draft, frames, fps)
+    cache, layout, logits = prefill_video(draft, frames, fps, PROMPT)
     if len(answer) > 1:
         rest = draft.score(cache, torch.tensor(answer[:-1]), layout.length, layout)
         logits = torch.cat([logits[None], rest])
@@ -85,7 +72,7 @@ def evaluate(videos: int = 8, lengths=(30, 120), long_videos: int = 4, pairs=PAI
                 f1, t0, agree = [], time.perf_counter(), [0, 0]
                 for seed in tqdm(range(n), desc=f"{lm.name} {seconds} s", leave=False):
                     frames, truth = frames_of(seed, seconds, lm.fps)
-                    answer = greedy_answer(lm, frames, lm.fps, 8 * len(truth.events) + 16)
+                    answer = greedy_answer(lm, frames, lm.fps, PROMPT, answer_budget(truth))
                     f1.append(captions.score(lm.tokenizer.decode(answer, skip_special_tokens=True), truth)["f1"])
                     if lm is target and draft is not None and seconds == lengths[0]:
                         a, b = agreement(draft, frames, lm.fps, answer)

@@ -14,7 +14,8 @@ import torch
 from models.load import ModelError, load_model, shared_vocabulary
 from models.prompt import PromptError
 from zoo.tokenizer import build_tokenizer
-from zoo.train import example, save
+from zoo.train.data import example
+from zoo.train.toy import save
 from zoo.shapes import FPS, zoo_config
 
 ARCHS = {"qwen2_5_vl": "qwen-draft", "llava_onevision": "llava-draft"}

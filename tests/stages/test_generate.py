@@ -9,11 +9,12 @@ import pytest
 from graph.executor import Executor, StageFailed
 from models.load import load_model
 from models.registry import release_all
-from zoo.videos import make_video
-from zoo.shapes import FPS
 from stages.types import Request
 from tests.helpers import make, node
 from tests.models.test_adapters import ARCHS, random_checkpoint
+from zoo.shapes import FPS
+from zoo.tokenizer import build_tokenizer
+from zoo.videos import make_video
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -82,3 +83,27 @@ def test_a_video_beyond_the_context_is_a_clear_error(tmp_path, checkpoint):
     short = dict(model, path=str(random_checkpoint(tmp_path / "short", ARCHS[model["name"]], max_position_embeddings=64)))
     with pytest.raises(StageFailed, match="beyond .* context of 64: sample fewer frames"):
         run_graph(ar_nodes(short), Request("v", video, "describe the video ."))
+
+
+def test_the_card_and_the_trainers_check_answer_as_the_generate_stage_does(checkpoint):
+    """One greedy loop (models.decoding) for all three: the Generate stage in the graph, the model
+    card on a loaded checkpoint, and the trainer's check on the model in memory, lent to the adapter."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from models.decoding import greedy_answer
+    from models.load import adapted
+    from stages.decode import read_video
+    from zoo.card import PROMPT
+    from zoo.train.toy import preprocessor_config
+
+    model, video = checkpoint
+    staged = run_graph(ar_nodes(model, max_new_tokens=20), Request("v", video, PROMPT)).outputs["generate.tokens"].ids
+    frames, _ = read_video(video, fps=model["fps"], size=model["size"])
+    card = greedy_answer(load_model(model["path"]), frames, model["fps"], PROMPT, 20)
+    net = AutoModelForImageTextToText.from_pretrained(model["path"], dtype=torch.float32).train()
+    with adapted(net, build_tokenizer(net.config.model_type), preprocessor_config(net.config.model_type)) as lm:
+        checked = greedy_answer(lm, frames, model["fps"], PROMPT, 20)
+    assert len(set(staged)) > 3
+    assert card == staged and checked == staged
+    assert net.training and net.config.vision_config._attn_implementation == "sdpa"     # given back as it was

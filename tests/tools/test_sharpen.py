@@ -45,7 +45,7 @@ def test_the_context_dependent_scale_is_one_up_to_the_length_and_grows_past_it()
 def test_the_probe_at_power_zero_is_the_plain_model():
     from tools.sharpen import probe_logn
     from zoo.tokenizer import build_tokenizer
-    from zoo.train import caption_f1
+    from zoo.train.toy import caption_f1
 
     (row,) = probe_logn(str(WEIGHTS / "qwen-draft"), 50, [0], [6], range(200, 202))
     plain = AutoModelForImageTextToText.from_pretrained(WEIGHTS / "qwen-draft", dtype=torch.float32)

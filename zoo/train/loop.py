@@ -1,0 +1,207 @@
+"""The training loop every recipe shares, and the contract a recipe fills in (`Recipe`).
+
+    result = train(recipe, LoopConfig(steps=3000, lr=5e-4), progress=True)
+
+The loop knows nothing of videos, models or losses: it resolves the device, seeds torch, asks the
+recipe to build what it trains, reads the recipe's batches through a DataLoader (worker processes
+render them while the step runs), and each step adds up the recipe's named losses with the
+recipe's weights, clips the gradient, and steps AdamW on a warmup-then-cosine schedule, under bf16
+autocast or in fp32. It logs the running losses every `log_every` steps, runs the recipe's quick
+check every `eval_every`, stops early when `max_minutes` is spent, and at the end has the recipe
+save its checkpoint and evaluate it, and writes training.json beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from zoo.train.config import LoopConfig
+
+log = logging.getLogger("reelflow.train")
+
+
+class Recipe:
+    """What a recipe gives the loop. The loop calls, in this order: `build` once (after seeding
+    torch), `batches` once, `loss` every step, `evaluate(final=False)` every `eval_every` steps,
+    then `save` and `evaluate(final=True)` once each, and `record` for training.json.
+
+    A recipe that trains a small part of a bigger frozen model (a draft head on a target's hidden
+    states) builds both, returns only the part's parameters from `build`, and runs the frozen model
+    inside `loss` (under no_grad) or inside its batches' workers."""
+
+    name: str = "recipe"           # what is trained: the progress bar's and the log's label
+
+    def build(self, device: torch.device) -> list[torch.nn.Parameter]:
+        """Makes (or loads) everything the steps need, on `device`, in training mode; returns the
+        parameters the optimizer updates and whose gradient norm is clipped."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """One line for the log about what was built (after `build`)."""
+        return self.name
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """How `loss`'s named terms add up to what is minimised; a name missing here weighs 0."""
+        raise NotImplementedError
+
+    def batches(self, steps: int, seed: int) -> torch.utils.data.IterableDataset:
+        """The endless training batches (dicts, lists or tuples of tensors; the loop moves them to
+        the device). `steps`: the planned step count, for a curriculum; `seed`: the run's. Each
+        DataLoader worker iterates its own copy: draw per worker (torch.utils.data.get_worker_info)."""
+        raise NotImplementedError
+
+    def loss(self, batch) -> dict[str, torch.Tensor]:
+        """The step's named loss terms, scalars, unweighted; the first is the headline (progress
+        bar, check rows). Runs under the loop's autocast."""
+        raise NotImplementedError
+
+    def evaluate(self, final: bool) -> dict:
+        """The check's figures for training.json: `final=False` a quick look during training (its
+        figures go into that step's history row), `final=True` the check of what `save` wrote.
+        Must leave the model as it found it (mode, attention implementation)."""
+        return {}
+
+    def default_out(self) -> Path:
+        """Where the checkpoint goes when the loop's `out` is unset."""
+        raise NotImplementedError
+
+    def save(self, out_dir: Path) -> None:
+        """Writes the trained model to `out_dir` (the loop then writes training.json there)."""
+        raise NotImplementedError
+
+    def record(self) -> dict:
+        """The recipe's settings and facts for training.json (after `save`)."""
+        return {}
+
+
+def train(recipe: Recipe, config: LoopConfig, progress: bool | None = None) -> dict:
+    """Trains `recipe` as `config` says (see the module doc); returns what training.json holds.
+    `progress`: False hides the progress bar (None: tqdm's default)."""
+    from tqdm import tqdm
+
+    steps = config.steps
+    device = resolve_device(config.device)
+    loader_workers = loader_workers_for(device, config.loader_workers)
+    torch.manual_seed(config.seed)
+    params = recipe.build(device)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    log.info("training %s: %s, %d steps, on %s%s with %d loader workers", recipe.name, recipe.describe(), steps,
+             device, f" ({device_name})" if device_name else "", loader_workers)
+    weights = recipe.weights
+    opt = torch.optim.AdamW(params, lr=config.lr, betas=(0.9, 0.98), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / config.warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    loader = torch.utils.data.DataLoader(recipe.batches(steps, config.seed), batch_size=None, num_workers=loader_workers,
+                                         prefetch_factor=4 if loader_workers else None, persistent_workers=False,
+                                         pin_memory=device.type == "cuda")
+    history, t0 = [], time.perf_counter()
+    bar = tqdm(zip(range(steps), loader), total=steps, desc=f"train {recipe.name}", disable=progress is False,
+               mininterval=5)
+    running: dict[str, float] = {}
+    steps_done = 0
+
+    def row(step: int) -> dict:
+        return {"step": step, "s": round(time.perf_counter() - t0, 1)} | {k: round(v, 4) for k, v in running.items()}
+
+    for step, batch in bar:
+        batch = to_device(batch, device)
+        # bf16 autocast: matmuls in bf16, weights and optimizer in fp32, for speed where the
+        # hardware has bf16 units (AVX512-BF16 CPUs, GPUs)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16"):
+            losses = recipe.loss(batch)
+        sum(weights.get(k, 0.0) * v for k, v in losses.items()).backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        for k, v in losses.items():
+            running[k] = v.item() if k not in running else 0.95 * running[k] + 0.05 * v.item()
+        headline = next(iter(running))
+        bar.set_postfix({headline: f"{running[headline]:.3f}"}, refresh=False)   # drawn at the bar's own pace
+        if (step + 1) % config.log_every == 0 or step + 1 == steps:
+            history.append(row(step + 1))
+            log.info("step %d %s (%.0f s)", step + 1, " ".join(f"{k} {v:.4f}" for k, v in running.items()),
+                     time.perf_counter() - t0)
+        if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < steps:
+            found = recipe.evaluate(final=False)
+            if not history or history[-1]["step"] != step + 1:
+                history.append({"step": step + 1, headline: round(running[headline], 4),
+                                "s": round(time.perf_counter() - t0, 1)})
+            history[-1].update(found)
+        steps_done = step + 1
+        if config.max_minutes is not None and time.perf_counter() - t0 > 60 * config.max_minutes \
+                and steps_done < steps:
+            log.warning("max_minutes=%g reached after %d of %d steps: saving what is there", config.max_minutes,
+                        steps_done, steps)
+            if not history or history[-1]["step"] != steps_done:
+                history.append(row(steps_done))
+            break
+    bar.close()
+    out_dir = Path(config.out) if config.out else recipe.default_out()
+    recipe.save(out_dir)
+    final = recipe.evaluate(final=True)
+    result = recipe.record() | {
+        "steps": steps_done, "steps_planned": steps, "max_minutes": config.max_minutes, "lr": config.lr,
+        "precision": config.precision, "device": str(device), "device_name": device_name,
+        "loader_workers": loader_workers, "train_s": round(time.perf_counter() - t0, 1), "history": history} | final
+    (out_dir / "training.json").write_text(json.dumps(result, indent=1) + "\n")
+    log.info("%s: saved to %s", recipe.name, out_dir)
+    return result
+
+
+def resolve_device(device: str) -> torch.device:
+    """The device `device` names: "auto" (the GPU when CUDA has one, else the CPU), "cpu", "cuda" or
+    "cuda:N". A ValueError naming the setting for anything else, or for a GPU this machine lacks."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: auto, cpu, cuda or cuda:N")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: CUDA has no GPU here (torch {torch.__version__}); "
+                             "use device=cpu, or auto")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}: this machine has GPUs 0..{torch.cuda.device_count() - 1}")
+    return resolved
+
+
+def loader_workers_for(device: torch.device, loader_workers: int | None) -> int:
+    """The DataLoader processes that make batches: `loader_workers`, or by default 1 on the CPU (the
+    training itself needs the cores) and on a GPU all cores but two (the training loop and the
+    pinning thread): rendering a batch, more so through H.264, can take longer than a toy model's
+    step on a GPU."""
+    if loader_workers is None:
+        if device.type == "cpu":
+            return 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return max(1, min(16, cores - 2))
+    if isinstance(loader_workers, bool) or not isinstance(loader_workers, int) or loader_workers < 0:
+        raise ValueError(f"loader_workers={loader_workers!r}: the processes making batches, an int >= 0 "
+                         "(0: in the training process), or null for the device's default")
+    return loader_workers
+
+
+def to_device(x, device: torch.device):
+    """`x` with every tensor in it (through dicts, lists and tuples) on `device`, dtype kept; one
+    already there is returned as is, a pinned one is copied without waiting for the copy."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=x.device.type == "cpu" and device.type == "cuda" and x.is_pinned())
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):      # a namedtuple
+        return type(x)(*(to_device(v, device) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_device(v, device) for v in x)
+    return x
