@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from graph.context import Cancelled, StageContext
+from graph.spawn import SpawnWithoutMainContext
 
 log = logging.getLogger(__name__)
 
@@ -374,7 +374,7 @@ class ProcessWorker(Worker):
 
     def __init__(self, name: str, torch_threads: int, device: str = "cpu"):
         super().__init__(name, torch_threads, device)
-        ctx = mp.get_context("spawn")
+        ctx = SpawnWithoutMainContext()   # spawn, and an unguarded caller script is not re-run in the child
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=_child_main, args=(child_conn, torch_threads, device),
                                    name=f"reelflow-{name}", daemon=True)

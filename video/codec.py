@@ -19,17 +19,12 @@ The pieces, in the order a decode uses them:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import mmap
 import os
-import sys
-import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
-from multiprocessing.context import SpawnContext, SpawnProcess
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -317,53 +312,6 @@ def _attach(path: str, shape: tuple) -> tuple[mmap.mmap, np.ndarray]:
     finally:
         os.close(fd)
     return mm, np.frombuffer(mm, dtype=np.uint8).reshape(shape)
-
-
-# --------------------------------------------------------------------------------------------
-# starting decoder processes
-#
-# A spawned process first re-runs its parent's __main__ (by path, or by module name under -m; see
-# multiprocessing.spawn's get_preparation_data and prepare), so that functions defined there can
-# be unpickled. Decoder processes only ever run this module's functions, and re-running a
-# caller's unguarded script in them would call read_video again inside every one of them (where
-# starting processes is refused, so each one dies). So each decoder process is launched while
-# __main__ looks like an interactive session's (no __file__, no __spec__): the one case in which
-# multiprocessing leaves __main__ alone. forkserver would not help: its children are sent the
-# same preparation data and re-run __main__ too. The names are gone from __main__ only while a
-# process is being launched (a few milliseconds); the lock keeps two pools launching at once
-# from restoring each other's.
-# These classes live here, not beside the pool, because the process object is pickled to the
-# child by its class: the child imports this torch-free module to run it.
-
-_launching = threading.Lock()
-_MAIN_NAMES = ("__file__", "__spec__")
-
-
-@contextlib.contextmanager
-def _main_module_unnamed() -> Iterator[None]:
-    main = sys.modules.get("__main__")
-    main_vars = vars(main) if main is not None else {}
-    with _launching:
-        saved = {name: main_vars.pop(name) for name in _MAIN_NAMES if name in main_vars}
-        main_vars["__spec__"] = None
-        try:
-            yield
-        finally:
-            for name in _MAIN_NAMES:
-                main_vars.pop(name, None)
-            main_vars.update(saved)
-
-
-class SpawnWithoutMainProcess(SpawnProcess):
-    def start(self) -> None:
-        with _main_module_unnamed():
-            super().start()
-
-
-class SpawnWithoutMainContext(SpawnContext):
-    """spawn (never fork: the caller may hold threads), without re-running the caller's __main__."""
-
-    Process = SpawnWithoutMainProcess
 
 
 # --------------------------------------------------------------------------------------------

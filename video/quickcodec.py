@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from graph.spawn import SpawnWithoutMainContext
 from stages.types import FrameGroup, VideoInfo
 from video.codec import (
     SharedFrames,
-    SpawnWithoutMainContext,
     StreamIndex,
     TaskResult,
     VideoError,

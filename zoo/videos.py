@@ -169,18 +169,20 @@ def _encode_pieces(seed, seconds, fps, hw, pieces: list[range], path: Path, *, c
     """Encodes each piece to its own mp4 in a temporary folder beside `path` (in `workers`
     processes), then copies their packets, in order, into `path`."""
     import concurrent.futures
-    import multiprocessing
     import shutil
     import tempfile
 
     import av
     from tqdm import tqdm
 
+    from graph.spawn import SpawnWithoutMainContext
+
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.stem}.", dir=path.parent))
     try:
         jobs = [(seed, seconds, fps, hw, r, str(tmp / f"{i:05d}.mp4"), crf, gop_s) for i, r in enumerate(pieces)]
-        # spawn, not fork: the caller may hold threads (torch, the engine's workers)
-        with concurrent.futures.ProcessPoolExecutor(max(1, workers), mp_context=multiprocessing.get_context("spawn")) as pool:
+        # spawn, not fork: the caller may hold threads (torch, the engine's workers); and never
+        # re-running the caller's __main__, so an unguarded script can make long videos
+        with concurrent.futures.ProcessPoolExecutor(max(1, workers), mp_context=SpawnWithoutMainContext()) as pool:
             files = list(tqdm(pool.map(_encode_piece, jobs), total=len(jobs), desc=f"encoding {path.name}",
                               unit="piece", mininterval=5, disable=len(jobs) < 4))
         with av.open(str(path), "w", format="mp4") as out:
