@@ -8,7 +8,7 @@ group but the last has an even number of frames (the encode stage carries an odd
 
 Positions are 3-D (temporal, height, width) and come from the model's own `get_rope_index` on
 the whole unpruned prompt, with `mm_token_type_ids` given explicitly: without them transformers
-5 silently falls back to 1-D positions (DESIGN.md pitfall 1).
+5 silently falls back to 1-D positions (docs/design.md, pitfall 1).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Turning logits into the next token: greedy, or sampling with temperature / top-k / top-p.
 
 The same `warp` must be applied to a draft's and a target's logits for speculative sampling to
-stay lossless (DESIGN.md pitfall 5), so it is one pure function both use.
+stay lossless (docs/design.md, pitfall 5), so it is one pure function both use.
 """
 
 from __future__ import annotations

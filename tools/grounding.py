@@ -9,7 +9,7 @@ stated): the attention mass the grounding head (the first head of `--layer`, by 
 second-to-last, as `train.ground_layer`) puts on the visual tokens that show event j
 (`zoo.train.labels.event_tokens`), and the share of clause j's tokens the model predicts
 greedily. A model that finds each event from where the text is, rather than from what it has
-stated, holds up to the number of events it was trained on and falls off after (README, "Keeping
+stated, holds up to the number of events it was trained on and falls off after (docs/zoo.md, "Keeping
 its place").
 """
 
