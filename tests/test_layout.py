@@ -14,8 +14,8 @@ PRODUCT = ["README.md", "docs", "conf", "graph", "job", "stages", "models", "vid
            "pyproject.toml", ".ci"]
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".txt", ".jinja", ""}
 # history belongs to git and dated pages, not to the product: "session 12", "issue 4";
-# and the repository must stand alone: no path that climbs out of it
-FORBIDDEN = re.compile(r"\bsession \d+|\bissue \d+\b|\.\./shared|shared/seeds", re.IGNORECASE)
+# and the repository must stand alone: no path that climbs out of it, no design notes it does not hold
+FORBIDDEN = re.compile(r"(?i:\bsession \d+|\bissue \d+\b)|\.\./shared|shared/seeds|\bDESIGN(\.md)?\b")
 
 
 SKIP_DIRS = {".venv", "__pycache__", "outputs", "multirun", ".pytest_cache", "build", ".git"}
