@@ -1,0 +1,62 @@
+"""Every experiment in conf/experiment/ composes and validates, with no model loaded: the graph,
+its stages' keys, the resources and the compiled plan (or, for training, the train block); and
+so does every value its saved sweep goes through. A misspelt key in any experiment fails here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+import run  # noqa: F401  (registers the config's resolvers)
+from graph.session import prepare
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+def composed(overrides: list[str], hydra_config: bool = False):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=hydra_config)
+
+
+def validate(cfg) -> None:
+    """What `python -m run` checks before it builds anything."""
+    if cfg.get("train"):
+        from zoo.train.config import parse
+
+        parse(OmegaConf.to_container(cfg.train, resolve=True))
+    else:
+        prepare(cfg, n_cuda=0)
+
+
+def sweep_points(name: str) -> list[list[str]]:
+    """One override list per value of each key the experiment's saved sweep goes through."""
+    params = composed([f"+experiment={name}"], hydra_config=True).hydra.sweeper.params or {}
+    points = []
+    for key, values in params.items():
+        for value in str(values).split(","):
+            points.append([f"{key}={value.strip()}"])
+    return points
+
+
+def test_there_are_experiments():
+    assert {"ar", "demo", "quickvideo", "parallelvlm", "bench_sd", "train_toy"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_composes_and_validates(name):
+    validate(composed([f"+experiment={name}"]))
+    for point in sweep_points(name):
+        validate(composed([f"+experiment={name}", *point]))
+
+
+def test_a_misspelt_stage_key_is_refused():
+    from graph.spec import ConfigError
+
+    with pytest.raises(ConfigError, match="group_framez"):
+        validate(composed(["+experiment=quickvideo", "+graph.nodes.prefill.stage.group_framez=4"]))
