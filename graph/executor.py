@@ -39,6 +39,10 @@ from graph.workers import (InlineWorker, Job, ProcessWorker, RemoteError, Sequen
 log = logging.getLogger(__name__)
 
 
+def _overrides_start_run(stage_cls: type) -> bool:
+    return getattr(stage_cls, "start_run", Stage.start_run) is not Stage.start_run
+
+
 class StageFailed(Exception):
     def __init__(self, node: str, phase: str, item: int, stage: str, error: BaseException, emitted: int = 0):
         self.node, self.phase, self.item, self.error = node, phase, item, error
@@ -94,6 +98,7 @@ class CallRecord:
     engine: float = 0.0                   # seconds inside the executor's emit (blocked included)
     deps: list = field(default_factory=list)   # origins of the items it consumed
     emits: list = field(default_factory=list)  # (port, t, busy offset)
+    parts: list = field(default_factory=list)  # (name, t0, t1): what the stage timed with ctx.timer
 
     @property
     def busy(self) -> float:
@@ -329,6 +334,7 @@ class Executor:
         self._blocked: dict[int, Channel] = {}  # call id -> channel its emit waits on
         self._waiting_workers.clear()
         self._request = request
+        self._start_run_stages(request)
         order = {n.name: n.rank for n in self.plan.nodes}
         bar = tqdm(desc=f"run {getattr(request, 'id', '')}".strip(), unit="call", leave=False,
                    disable=None if self.progress is None else not self.progress)
@@ -357,6 +363,15 @@ class Executor:
         cpu_end = cpu_seconds()
         cpu = round(cpu_end - cpu_start, 6) if cpu_start is not None and cpu_end is not None else None
         return RunResult(request, self._outputs, self._records, self.t_start, t_end, self._port_times, cpu)
+
+    def _start_run_stages(self, request: Any) -> None:
+        """Every stage that keeps per-run state starts the run clean: its `start_run`, on its own
+        worker, before any call of the run (so after a cancelled run too)."""
+        jobs = [(self.node_worker_pin.get(n.name) or self.workers[n.resource][0],
+                 self._job(n.name, "start_run", 0, {}, request))
+                for n in self.plan.nodes if _overrides_start_run(self.spec.nodes[n.name].stage_cls)]
+        if jobs:
+            self._run_jobs_and_wait(jobs, [])
 
     def _dispatch(self, order: dict[str, int]) -> bool:
         """Start every ready call that has a free worker. Caller holds self.cv."""

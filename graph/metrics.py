@@ -44,8 +44,9 @@ def ideal_wall_s(calls: list, workers: dict[str, int], pins: dict[str, int | Non
 
 
 def stage_stats(calls: Iterable[Any], resources: dict[str, str], t_start: float = 0.0) -> dict[str, dict]:
-    """Per node: busy, blocked and engine seconds, calls, and the span from its first call's start
-    to its last call's end (start_s, end_s: seconds from `t_start`, the run's start)."""
+    """Per node: busy, blocked and engine seconds, calls, the span from its first call's start
+    to its last call's end (start_s, end_s: seconds from `t_start`, the run's start), and, for a
+    stage that timed parts of its calls (ctx.timer), `timers`: {name: {"s": total, "n": count}}."""
     stats: dict[str, dict] = {}
     for c in calls:
         s = stats.setdefault(c.node, {"busy_s": 0.0, "calls": 0, "blocked_s": 0.0, "engine_s": 0.0,
@@ -54,12 +55,19 @@ def stage_stats(calls: Iterable[Any], resources: dict[str, str], t_start: float 
         s["blocked_s"] += c.blocked
         s["engine_s"] += c.engine
         s["calls"] += c.phase == "call"
+        for part, t0, t1 in getattr(c, "parts", ()):
+            timer = s.setdefault("timers", {}).setdefault(part, {"s": 0.0, "n": 0})
+            timer["s"] += t1 - t0
+            timer["n"] += 1
         if c.phase != "setup":
             s["start_s"], s["end_s"] = min(s["start_s"], c.t0 - t_start), max(s["end_s"], c.t1 - t_start)
     for s in stats.values():           # a node that only ran its setup has no span
         if s["start_s"] == math.inf:
             s["start_s"] = s["end_s"] = None
     rounded = ("busy_s", "blocked_s", "engine_s", "start_s", "end_s")
+    for s in stats.values():
+        for timer in s.get("timers", {}).values():
+            timer["s"] = round(timer["s"], 6)
     return {k: {**v, **{r: round(v[r], 6) for r in rounded if v[r] is not None}} for k, v in stats.items()}
 
 

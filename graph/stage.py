@@ -8,15 +8,23 @@ A stage is a class with typed ports declared as class data and a placement kind:
         outputs = {"kv": Out(KV), "hidden": Out(Taps, tap=True)}
 
         def setup(self, ctx): ...                      # load weights, allocate
+        def start_run(self, ctx): ...                  # reset what belongs to one run (request)
         def __call__(self, ctx, group): ...            # compute; return {"port": item} or emit
         def finish(self, ctx): ...                     # after the last streamed item of a run
         def close(self): ...                           # free
 
 Lifecycle: ``__init__`` takes config scalars only (so Hydra can validate them against the
-signature before anything loads); ``setup`` runs once on the stage's own worker; ``__call__`` runs
-once per item of its streamed inputs (or once per run if it has none); ``finish`` runs when a run's
-streamed inputs are exhausted; ``close`` runs once at the end. Stages never start threads, time
-themselves or synchronise devices: the executor does that for all of them.
+signature before anything loads); ``setup`` runs once on the stage's own worker; ``start_run``
+runs on that worker at the start of every run, before its first call, whatever happened to the
+run before (finished, failed or cancelled); ``__call__`` runs once per item of its streamed inputs
+(or once per run if it has none); ``finish`` runs when a run's streamed inputs are exhausted;
+``close`` runs once at the end.
+
+Stages never start threads, time themselves or synchronise devices: the executor does that for
+all of them. A stage that wants a part of its call timed says ``with ctx.timer("name") as part:``
+and the executor measures it (synchronised for the stage's device) and records it. A stage whose
+work is a pool of processes (QuickCodec's decoders) declares how many it starts
+(``declared_processes``), so the schedule leaves them their cores.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ class Context(Protocol):
     def emit(self, port: str, item: Any) -> None: ...
     def end(self, port: str) -> None: ...
     def check(self) -> None: ...
+    def timer(self, name: str) -> Any: ...      # a context manager yielding a TimedPart
 
 
 class Stage:
@@ -66,8 +75,17 @@ class Stage:
     outputs: ClassVar[dict[str, Out]] = {}
     placement: ClassVar[str] = "cpu"  # "cpu" or "gpu": where the stage can compute
 
+    @classmethod
+    def declared_processes(cls, kwargs: dict[str, Any]) -> int:
+        """How many processes a stage built with these constructor arguments starts (each busy on
+        a core of its own while the stage works); the schedule counts them when it splits cores."""
+        return 0
+
     def setup(self, ctx: Context) -> None:
         pass
+
+    def start_run(self, ctx: Context) -> None:
+        """Reset what belongs to one run. Called on the stage's worker before every run."""
 
     def __call__(self, ctx: Context, **inputs: Any) -> dict[str, Any] | None:
         raise NotImplementedError

@@ -34,6 +34,9 @@ def chrome_trace(calls: list, t_start: float, resources: list[str], taps: set[tu
         events.append({"ph": "X", "name": name, "cat": c.phase, "pid": pid, "tid": tid, "ts": us(c.t0),
                        "dur": round((c.t1 - c.t0) * 1e6, 1),
                        "args": {"item": c.item, "busy_ms": round(c.busy * 1e3, 3), "blocked_ms": round(c.blocked * 1e3, 3)}})
+        for part, t0, t1 in getattr(c, "parts", ()):     # ctx.timer parts: slices nested in the call
+            events.append({"ph": "X", "name": f"{c.node}.{part}", "cat": "part", "pid": pid, "tid": tid,
+                           "ts": us(t0), "dur": round((t1 - t0) * 1e6, 1), "args": {"item": c.item}})
         for port, t, _ in c.emits:
             if (c.node, port) in taps:
                 events.append({"ph": "i", "s": "t", "name": f"tap {c.node}.{port}", "pid": pid, "tid": tid, "ts": us(t)})

@@ -116,6 +116,8 @@ def _run_phase(stage: Any, job: Job, ctx: StageContext) -> Any:
         return None
     if job.phase == "setup":
         return stage.setup(ctx)
+    if job.phase == "start_run":
+        return stage.start_run(ctx)
     if job.phase == "call":
         return stage(ctx, **job.kwargs)
     if job.phase == "finish":
@@ -180,8 +182,17 @@ class Worker:
         job.on_done(job, result, error)
 
     def execute(self, job: Job) -> Any:
-        ctx = StageContext(job.node, job.item, _device(self.device), job.request, job.emit, job.end, job.cancelled)
-        return _run_phase(self.stages.get(job.node), job, ctx)
+        ctx = StageContext(job.node, job.item, _device(self.device), job.request, job.emit, job.end, job.cancelled,
+                           sync=self._device_sync())
+        try:
+            return _run_phase(self.stages.get(job.node), job, ctx)
+        finally:
+            if job.record is not None:
+                job.record.parts = [(p.name, p.t0, p.t1) for p in ctx.parts]
+
+    def _device_sync(self) -> Callable[[], None] | None:
+        """What a timed part waits for before reading the clock: nothing on a CPU worker."""
+        return None
 
     def stop(self, timeout: float) -> bool:
         """Ask the worker to exit; True if it did within `timeout`."""
@@ -222,6 +233,9 @@ class StreamWorker(Worker):
             result = super().execute(job)
         self._stream.synchronize()
         return result
+
+    def _device_sync(self) -> Callable[[], None] | None:
+        return self._stream.synchronize
 
 
 class SequentialThread:
@@ -362,7 +376,8 @@ def _child_main(conn, torch_threads: int, device: str) -> None:
             job = Job(node, phase, item, kwargs, request, on_done=None)  # type: ignore[arg-type]
             ctx = StageContext(node, item, torch.device(device), request, emit, end, lambda: cancelled)
             result = _run_phase(stages.get(node), job, ctx)
-            _send(conn, ("done", result))
+            # perf_counter is CLOCK_MONOTONIC, one clock for every process: the parent can place these
+            _send(conn, ("done", result, [(p.name, p.t0, p.t1) for p in ctx.parts]))
         except BaseException as e:
             _send(conn, ("error", type(e).__name__, str(e), traceback.format_exc()))
         if phase == "close":
@@ -405,6 +420,8 @@ class ProcessWorker(Worker):
                 except Cancelled:
                     _send(self._conn, ("cancel",))
             elif kind == "done":
+                if job.record is not None:
+                    job.record.parts = msg[2]
                 return msg[1]
             elif kind == "error":
                 if msg[1] == "Cancelled":

@@ -26,7 +26,6 @@ the caches grow. Until the first verdict it drafts `start_window` tokens.
 
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -83,9 +82,10 @@ class ModelDraft(Stage):
         self.tp = [0.0, 0]                 # the target's verification time: sum, count
         self.tq = [0.0, 0]                 # the draft's time per drafted token: sum, count
 
+    def start_run(self, ctx) -> None:
+        self._reset()
+
     def __call__(self, ctx, kv: KV, verdict: Verdict | None):
-        if ctx.item == 0:
-            self._reset()
         if verdict is not None and not verdict.stale:
             self._apply(kv, verdict)
             if self.auto and verdict.verify_s > 0 and self.tq[1]:
@@ -94,7 +94,7 @@ class ModelDraft(Stage):
         if len(self.sequence) >= self.max_new_tokens:
             return {}                     # everything left is in flight already
         base = len(self.sequence)
-        tokens, probs = self._draft(kv, min(self.window, self.max_new_tokens - base))
+        tokens, probs = self._draft(ctx, kv, min(self.window, self.max_new_tokens - base))
         self.sequence += tokens
         self.round += 1
         meta = {"window": self.window}
@@ -121,21 +121,21 @@ class ModelDraft(Stage):
         self.lm.drop_last(kv.cache, self.in_cache - keep)
         self.in_cache = keep
 
-    def _draft(self, kv: KV, k: int) -> tuple[list[int], list[torch.Tensor]]:
+    def _draft(self, ctx, kv: KV, k: int) -> tuple[list[int], list[torch.Tensor]]:
         lm, layout = self.lm, kv.meta["layout"]
         vocab = self.vocab or len(lm.tokenizer)
         pending = torch.tensor(self.sequence[self.in_cache:], dtype=torch.long)
         tokens, probs = [], []
         for _ in range(k):
-            started = time.perf_counter()
-            if pending.shape[0]:
-                logits = lm.score(kv.cache, pending, kv.logical_length + self.in_cache, layout)[-1, :vocab]
-                self.in_cache += pending.shape[0]
-            else:                         # nothing after the prompt yet: the prefill's logits
-                logits = kv.meta["logits"][:vocab]
-            token, q = self.sampling.pick(logits, self.rng)
-            if pending.shape[0] == 1:     # one drafted token's forward (pick() waited for it): Tq
-                self.tq = [self.tq[0] + time.perf_counter() - started, self.tq[1] + 1]
+            with ctx.timer("draft_token") as step:
+                if pending.shape[0]:
+                    logits = lm.score(kv.cache, pending, kv.logical_length + self.in_cache, layout)[-1, :vocab]
+                    self.in_cache += pending.shape[0]
+                else:                     # nothing after the prompt yet: the prefill's logits
+                    logits = kv.meta["logits"][:vocab]
+                token, q = self.sampling.pick(logits, self.rng)
+            if pending.shape[0] == 1:     # one drafted token's forward, as the engine timed it: Tq
+                self.tq = [self.tq[0] + step.seconds, self.tq[1] + 1]
             if q is not None:
                 probs.append(q)
             tokens.append(token)

@@ -37,9 +37,10 @@ class VisionEncoder(Stage):
     def _reset(self) -> None:
         self.carry, self.frames_in, self.index = None, 0, 0
 
+    def start_run(self, ctx) -> None:      # a new run (the last one may have been cancelled midway)
+        self._reset()
+
     def __call__(self, ctx, group: FrameGroup):
-        if ctx.item == 0:          # a new run (the last one may have been cancelled midway)
-            self._reset()
         frames = group.frames if self.carry is None else torch.cat([self.carry, group.frames])
         self.carry = None
         step = self.lm.frames_per_step

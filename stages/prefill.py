@@ -95,9 +95,10 @@ class Prefill(Stage):
         prompt = request.prompt if request and request.prompt else DEFAULT_PROMPT
         return self.lm.layout(prompt, frames, self.meta["frame_hw"], self.meta["fps"])
 
+    def start_run(self, ctx) -> None:      # a new run (the last one may have been cancelled midway)
+        self._reset()
+
     def __call__(self, ctx, tokens: VisualTokens, request: Request):
-        if ctx.item == 0:          # a new run (the last one may have been cancelled midway)
-            self._reset()
         self.meta = self.meta or tokens.meta
         self.pending.append(tokens.embeds)
         self.pending_frames += tokens.meta["frames"]

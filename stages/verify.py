@@ -27,7 +27,6 @@ EOS and max_new_tokens inside an accepted block cut the block there (DESIGN pitf
 
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -114,9 +113,11 @@ class Verifier(Stage):
         self.windows: list[int] = []           # per round: the γ the draft used
         self.tq_s: float | None = None         # the draft's own measure of one drafted token (Tq)
 
+    def start_run(self, ctx) -> None:
+        self._reset()
+
     def __call__(self, ctx, kv: KV, proposal: Proposal):
-        if ctx.item == 0:
-            self._reset()
+        if not self.info:             # the run's first proposal: what draft and target worked from
             self.info = {**proposal.meta, "target_prefill": kv.meta.get("prefill"),
                          "n_video_tokens": kv.meta.get("n_video_tokens")}
         if self.done:
@@ -131,23 +132,23 @@ class Verifier(Stage):
             return {}
         draft, q = draft[overlap:], (q[overlap:] if q is not None else None)
         lm, layout = self.lm, kv.meta["layout"]
-        started = time.perf_counter()
-        pending = torch.tensor(self.committed[self.in_cache:], dtype=torch.long)
-        if pending.shape[0]:          # the last committed token(s) and the draft, in one forward
-            logits = lm.score(kv.cache, torch.cat([pending, draft]), kv.logical_length + self.in_cache, layout)
-            logits = logits[pending.shape[0] - 1:]                         # [k+1, V]: after each draft prefix
-        else:                         # the first round: the prefill's logits predict the first token
-            scored = lm.score(kv.cache, draft, kv.logical_length, layout) if draft.shape[0] else None
-            logits = kv.meta["logits"][None] if scored is None else torch.cat([kv.meta["logits"][None], scored])
-        vocab = self.vocab or len(lm.tokenizer)
-        logits = logits[:, :vocab]
-        if self.sampling.greedy:
-            accepted, token = greedy_verify(draft, logits)
-        else:
-            # the rule runs on the host, so its draws come from the CPU generator on any device
-            accepted, token = speculative_verify(draft, q[:, :vocab].float().cpu(),
-                                                 self.sampling.probs(logits).float().cpu(), self.rng)
-        spent = time.perf_counter() - started      # int() above waited for the device: the whole forward
+        with ctx.timer("verify") as verify:    # the forward and the rule: Tp
+            pending = torch.tensor(self.committed[self.in_cache:], dtype=torch.long)
+            if pending.shape[0]:          # the last committed token(s) and the draft, in one forward
+                logits = lm.score(kv.cache, torch.cat([pending, draft]), kv.logical_length + self.in_cache, layout)
+                logits = logits[pending.shape[0] - 1:]                         # [k+1, V]: after each draft prefix
+            else:                         # the first round: the prefill's logits predict the first token
+                scored = lm.score(kv.cache, draft, kv.logical_length, layout) if draft.shape[0] else None
+                logits = kv.meta["logits"][None] if scored is None else torch.cat([kv.meta["logits"][None], scored])
+            vocab = self.vocab or len(lm.tokenizer)
+            logits = logits[:, :vocab]
+            if self.sampling.greedy:
+                accepted, token = greedy_verify(draft, logits)
+            else:
+                # the rule runs on the host, so its draws come from the CPU generator on any device
+                accepted, token = speculative_verify(draft, q[:, :vocab].float().cpu(),
+                                                     self.sampling.probs(logits).float().cpu(), self.rng)
+        spent = verify.seconds
         self.verify_s.append(spent)
         self.windows.append(proposal.meta.get("window", int(draft.shape[0])))
         if "tq_s" in proposal.meta:

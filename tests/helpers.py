@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
@@ -144,3 +145,33 @@ class ThreadsPerItem(Stage):
     def finish(self, ctx):
         seen, self.seen = self.seen, []
         return {"threads": seen}
+
+
+class RunCounter(Stage):
+    """Counts the items of a run in per-run state that only `start_run` resets; fails on item
+    `fail_at` of the run numbered `fail_run` (0-based), and times each item's work as a part."""
+
+    inputs = {"item": In(object, stream=True)}
+    outputs = {"count": Out(dict)}
+
+    def __init__(self, fail_at: int = -1, fail_run: int = -1, work_s: float = 0.002, fail_start: bool = False):
+        self.fail_at, self.fail_run, self.work_s, self.fail_start = fail_at, fail_run, work_s, fail_start
+        self.runs, self.n, self.started_on = -1, 0, None
+
+    def start_run(self, ctx):
+        if self.fail_start:
+            raise RuntimeError("RunCounter told to fail in start_run")
+        self.runs += 1
+        self.n = 0
+        self.started_on = (os.getpid(), threading.get_ident())
+
+    def __call__(self, ctx, item):
+        if self.runs == self.fail_run and self.n == self.fail_at:
+            raise RuntimeError("RunCounter told to fail")
+        with ctx.timer("work"):
+            time.sleep(self.work_s)
+        self.n += 1
+        assert self.started_on == (os.getpid(), threading.get_ident()), "start_run ran on another worker"
+
+    def finish(self, ctx):
+        return {"count": {"items": self.n, "runs": self.runs + 1}}
