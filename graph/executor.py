@@ -138,6 +138,7 @@ class Executor:
     def __init__(self, spec: GraphSpec, plan: Plan, *, cancel_timeout_s: float = 10.0, progress: bool | None = None,
                  record: tuple[str, ...] = ()):
         self.spec, self.plan = spec, plan
+        self._processes = {n.name: n.processes for n in plan.nodes}   # processes each node's stage starts
         self.record = set(record)   # "node.port" kept in the run's outputs even when consumed
         self.cancel_timeout_s = cancel_timeout_s
         self.progress = progress
@@ -191,8 +192,8 @@ class Executor:
         """An elastic worker's torch threads for its next call: the cores no other CPU worker is
         busy on (each busy one counted at its planned threads; one whose call waits on a full
         channel is not busy), never fewer than its planned share."""
-        taken = sum(w.torch_threads for pool in self.workers.values() for w in pool
-                    if w is not me and w.busy and w.name not in self._waiting_workers
+        taken = sum(max(w.torch_threads, self._processes.get(w.running, 0)) for pool in self.workers.values()
+                    for w in pool if w is not me and w.busy and w.name not in self._waiting_workers
                     and not str(w.device).startswith("cuda"))
         return max(me.torch_threads, self.plan.cores - taken)
 

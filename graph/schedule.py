@@ -2,8 +2,9 @@
 
 Policy, decided here once so the executor only follows it:
 - every node runs on the resource its config names; calls of one node never overlap;
-- torch threads: a pool with `torch_threads: auto` gets cores // (workers of all CPU resources the
-  graph uses), at least 1, so concurrent torch workers never oversubscribe the cores; `elastic`
+- torch threads: a pool with `torch_threads: auto` gets (cores − processes the stages declare) //
+  (workers of all CPU resources the graph uses), at least 1, so concurrent torch workers never
+  oversubscribe the cores, not even beside QuickCodec's decoder processes; `elastic`
   starts from the same share and, at each call, takes every core the other CPU workers leave idle
   (QuickVideo: the target prefills on one core while the decoders run, on all once they are done);
 - channels hold `capacity` items; a streamed edge between two nodes sharing a one-worker resource is
@@ -45,6 +46,7 @@ class PlannedNode:
     worker: int | None    # pinned worker (process pools), else None = any free worker
     calls: str            # "once" or "per <port>[, <port>]"
     rank: int             # topological rank: earlier = upstream
+    processes: int = 0    # processes the stage itself starts (Stage.declared_processes)
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,8 @@ class Plan:
         lines += ["", "nodes (topological order):"]
         for n in self.nodes:
             pin = f"[{n.worker}]" if n.worker is not None else ""
-            lines.append(f"  {n.name:<12} on {n.resource + pin:<12} {n.calls:<22} {n.stage}")
+            own = f"   # starts {n.processes} processes" if n.processes else ""
+            lines.append(f"  {n.name:<12} on {n.resource + pin:<12} {n.calls:<22} {n.stage}{own}")
         lines += ["", "channels:"]
         for c in self.channels:
             cap = "unbounded" if c.capacity is None else f"capacity {c.capacity}"
@@ -96,6 +99,21 @@ class Plan:
         if self.warnings:
             lines += ["", "warnings:"] + [f"  {w}" for w in self.warnings]
         return "\n".join(lines) + "\n"
+
+
+def declared_processes(node) -> int:
+    """The processes a node's stage starts, from its validated constructor arguments (the
+    signature's defaults filling what the config leaves out)."""
+    import inspect
+
+    kwargs = {k: v for k, v in node.stage_cfg.items() if k != "_target_"}
+    try:
+        bound = inspect.signature(node.stage_cls).bind_partial(**kwargs)
+        bound.apply_defaults()
+        kwargs = dict(bound.arguments)
+    except (TypeError, ValueError):     # validation has reported any mismatch already
+        pass
+    return int(node.stage_cls.declared_processes(kwargs)) if hasattr(node.stage_cls, "declared_processes") else 0
 
 
 def compile_plan(
@@ -128,7 +146,8 @@ def compile_plan(
 
     used = [r for r in resources.values() if r.name in placements.values()]
     cpu_workers = sum(r.workers for r in used if not r.is_gpu)
-    auto_threads = max(1, cores // max(1, cpu_workers))
+    processes = {name: declared_processes(node) for name, node in spec.nodes.items()}
+    auto_threads = max(1, (cores - sum(processes.values())) // max(1, cpu_workers))
     warnings = []
     planned_res = []
     for r in used:
@@ -152,7 +171,8 @@ def compile_plan(
         streamed = node.stream_inputs
         calls = f"per {', '.join(streamed)}" if streamed else "once"
         cls = node.stage_cls
-        nodes.append(PlannedNode(name, f"{cls.__module__}.{cls.__qualname__}", node.on, worker, calls, rank[name]))
+        nodes.append(PlannedNode(name, f"{cls.__module__}.{cls.__qualname__}", node.on, worker, calls, rank[name],
+                                 processes[name]))
 
     channels = []
     for e in spec.edges:

@@ -137,6 +137,7 @@ class Worker:
         self.elastic, self._threads_now = elastic, torch_threads
         self.stages: dict[str, Any] = {}
         self.busy = False
+        self.running: str | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"reelflow-{name}", daemon=True)
 
@@ -145,6 +146,7 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         self.busy = True
+        self.running = job.node       # which node's job (the elastic share counts its processes)
         self._jobs.put(job)
 
     def _thread_init(self) -> None:

@@ -91,6 +91,10 @@ class QuickCodec(_Decoder):
         self.interpolation, self.seek_frames, self.skip_nonref = interpolation, seek_frames, skip_nonref
         self.pool: DecoderPool | None = None
 
+    @classmethod
+    def declared_processes(cls, kwargs: dict) -> int:
+        return int(kwargs.get("workers", 2))     # the decoder pool: one busy core each
+
     def setup(self, ctx) -> None:
         self.pool = DecoderPool(self.workers)
         self.pool.warm()

@@ -98,3 +98,21 @@ def test_bad_resources_config():
         load_resources({"pools": {"cpu": {"kind": "fiber"}}})
     with pytest.raises(ConfigError, match="workers=0"):
         load_resources({"pools": {"cpu": {"workers": 0}}})
+
+
+def test_processes_a_stage_declares_leave_their_cores_to_it():
+    """QuickCodec's decoder processes each keep a core busy: torch's automatic share is what is
+    left (on 16 cores with 12 decoders, a lone target stream would otherwise get 16 threads)."""
+    from tests.helpers import make, node
+
+    gpu_like = {"cores": 16, "pools": {"cpu": {"kind": "thread", "workers": 1, "torch_threads": "auto"},
+                                       "target": {"kind": "thread", "workers": 1, "torch_threads": "auto"}}}
+    nodes = {"source": node("stages.source.Source", "cpu"),
+             "decode": node("stages.decode.QuickCodec", "cpu", {"request": "source.request"}, workers=12)}
+    _, plan = make(nodes, gpu_like)
+    assert plan.node("decode").processes == 12
+    assert plan.resource("cpu").torch_threads == (16 - 12) // 1
+    assert "starts 12 processes" in plan.to_text()
+    nodes["decode"]["stage"].pop("workers")          # the constructor's default counts too
+    _, plan = make(nodes, gpu_like)
+    assert plan.node("decode").processes == 2 and plan.resource("cpu").torch_threads == 14
