@@ -29,7 +29,7 @@ OmegaConf.register_new_resolver("first", lambda *xs: next((x for x in xs if x no
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     from graph.executor import StageFailed
-    from graph.session import run_job
+    from job.run import run_job
     from graph.spec import ConfigError
     from stages.source import load_requests
 

@@ -3,7 +3,7 @@
     plan.txt       the compiled plan
     trace.json     Chrome trace events of the (first) measured run
     timeline.png   Gantt chart by resource of the same run
-    metrics.json   DESIGN.md's keys that apply, plus the engine's own (ideal time, overhead)
+    metrics.json   the keys of docs/design.md that apply, plus the engine's own (ideal time, overhead)
 """
 
 from __future__ import annotations
