@@ -10,8 +10,9 @@ show comes from the experiment's `report:` block, all optional:
       baseline: {executor.runner: sequential}                 # adds speedup = baseline wall / wall
       relative:                                               # a column over the baseline row's
         - {name: f1_retention, of: summary.score.f1, baseline: {case: ar}}
+      formulas: job.bounds                                    # a module whose __all__ functions derived may call
       derived:                                                # arithmetic over a row's columns
-        generation_s: wall_s - ttft_s                         # (+ - * /, min, max, numbers)
+        generation_s: wall_s - ttft_s                         # (+ - * /, min, max, numbers, formulas)
         gain_s: {expr: seq.ttft_s - ttft_s, where: {case: overlapped}, with: {seq: {case: sequential}}}
       plots:
         - {x: executor.runner, y: wall_s, hue: graph, where: {graph: demo}, title: ...}
@@ -22,6 +23,9 @@ A row holds the job's overrides, its metrics.json (nested keys joined by dots) a
 neither sets, its composed config (e.g. graph.prune.ratio). `where` values may be lists (any
 of). Rows match their baseline on the other swept keys. Without a `report:` block: the swept
 keys, wall/ttft/decode/ideal/efficiency, and one bar plot of wall_s.
+
+A column, a `relative:` source or a name in a `derived:` expression that no job has and the block
+does not define is an error naming it and the closest metrics there are, not an empty column.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from __future__ import annotations
 import argparse
 import ast
 import csv
+import difflib
+import importlib
 import json
 import logging
 import math
@@ -122,7 +128,67 @@ def add_speedup(rows: list[dict], swept: list[str], baseline: dict) -> None:
     add_relative(rows, swept, baseline, "wall_s", "speedup", invert=True)
 
 
-def add_derived(rows: list[dict], swept: list[str], name: str, expression: str | dict) -> None:
+class ReportError(ValueError):
+    """The report block asks for something no job has."""
+
+
+def load_formulas(module: str | None) -> dict[str, Any]:
+    """The functions a `formulas:` module exports (its __all__), by name; imported by its dotted
+    name, so the engine's report depends on no module of the product."""
+    if not module:
+        return {}
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ReportError(f"formulas: {module}: {e}") from None
+    return {name: getattr(mod, name) for name in getattr(mod, "__all__", [])}
+
+
+def expression_columns(expression: str) -> set[str]:
+    """The (dotted) column names an expression reads; `alias.column` included as written."""
+    names = set()
+    for node in ast.walk(ast.parse(expression, mode="eval")):
+        if isinstance(node, ast.Attribute) and not isinstance(getattr(node, "ctx", None), ast.Del):
+            names.add(ast.unparse(node))
+        elif isinstance(node, ast.Name):
+            names.add(node.id)
+    # a.b.c is walked as a.b.c, a.b and a: keep the longest dotted names only
+    return {n for n in names if not any(o != n and o.startswith(n + ".") for o in names)}
+
+
+def check_names(rows: list[dict], spec: dict, columns: list[str], functions: dict[str, Any]) -> None:
+    """Every column and every name the block's expressions read exists in some job's row or is
+    defined by the block; otherwise one ReportError naming each, with the closest metrics."""
+    if not any(r.get("status") == "ok" for r in rows):
+        return                         # no job finished: nothing to name, the status column says why
+    derived = spec.get("derived") or {}
+    defined = set(derived) | {r["name"] for r in spec.get("relative") or []} | {"speedup", "status", "job"}
+    present = {k for r in rows for k in r} | defined
+    problems = []
+
+    def missing(name: str, where: str) -> None:
+        if name not in present:
+            close = difflib.get_close_matches(name, sorted(present), n=3, cutoff=0.6)
+            problems.append(f"{where}: no job has '{name}'" + (f" (closest: {', '.join(close)})" if close else ""))
+
+    for c in columns:
+        missing(c, "columns")
+    for rel in spec.get("relative") or []:
+        missing(rel["of"], f"relative {rel['name']}")
+    for name, expression in derived.items():
+        expression = expression if isinstance(expression, dict) else {"expr": expression}
+        aliases = set(expression.get("with") or {})
+        for ref in expression_columns(str(expression["expr"])):
+            alias, _, rest = ref.partition(".")
+            if ref in functions or ref in ("min", "max"):
+                continue
+            missing(rest if alias in aliases and rest else ref, f"derived {name}")
+    if problems:
+        raise ReportError("report: " + "; ".join(problems))
+
+
+def add_derived(rows: list[dict], swept: list[str], name: str, expression: str | dict,
+                functions: dict[str, Any] | None = None) -> None:
     """row[name] = the expression's value. A dict {expr, where, with: {alias: where}} computes it
     only for rows matching `where`, and lets it read `alias.column` from the row that matches the
     alias's filter and agrees on the other swept keys (e.g. the sequential run of the same data)."""
@@ -138,18 +204,19 @@ def add_derived(rows: list[dict], swept: list[str], name: str, expression: str |
             found = [o for o in rows if _matches(o, where) and all(o.get(k) == r.get(k) for k in keys)]
             if found:
                 others[alias] = found[0]
-        r[name] = evaluate(str(expression["expr"]), r, others) if len(others) == len(refs) else None
+        r[name] = evaluate(str(expression["expr"]), r, others, functions) if len(others) == len(refs) else None
 
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.Pow: operator.pow}
 
 
-def evaluate(expression: str, row: dict, others: dict[str, dict] | None = None) -> float | None:
-    """A `derived:` expression over a row: column names (dotted), numbers, + - * / **, min(), max();
-    `alias.column` reads another row (`others`: alias -> row). None when a column is missing or
-    not a number."""
-    others = others or {}
+def evaluate(expression: str, row: dict, others: dict[str, dict] | None = None,
+             functions: dict[str, Any] | None = None) -> float | None:
+    """A `derived:` expression over a row: column names (dotted), numbers, + - * / **, min(), max(),
+    and the `formulas:` module's functions; `alias.column` reads another row (`others`: alias ->
+    row). None when a column is missing or not a number, or a formula has no value there."""
+    others, functions = others or {}, functions or {}
 
     def column(name: str):
         alias, _, rest = name.partition(".")
@@ -166,12 +233,18 @@ def evaluate(expression: str, row: dict, others: dict[str, dict] | None = None) 
             return -value(node.operand)
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("min", "max"):
             return (min if node.func.id == "min" else max)(value(a) for a in node.args)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in functions:
+            result = functions[node.func.id](*(value(a) for a in node.args))
+            if result is None:
+                raise LookupError(node.func.id)
+            return result
         if isinstance(node, (ast.Name, ast.Attribute)):
             v = column(ast.unparse(node))
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise LookupError(ast.unparse(node))
             return v
-        raise ValueError(f"derived: {expression!r}: only column names, numbers, + - * / ** min max")
+        raise ValueError(f"derived: {expression!r}: only column names, numbers, + - * / ** min max "
+                         f"and the formulas ({', '.join(functions) or 'none named'})")
 
     try:
         return value(ast.parse(expression, mode="eval"))
@@ -276,14 +349,16 @@ def write_report(sweep_dir: str | Path) -> dict[str, Path]:
     if spec.get("baseline"):
         add_speedup(rows, swept, spec["baseline"])
     derived = spec.get("derived") or {}
+    functions = load_formulas(spec.get("formulas"))
     for _ in range(len(derived)):      # as many passes as entries: one may use another, in any order
         for name, expression in derived.items():
-            add_derived(rows, swept, name, expression)
+            add_derived(rows, swept, name, expression, functions)
     for rel in spec.get("relative") or []:
         add_relative(rows, swept, rel["baseline"], rel["of"], rel["name"], bool(rel.get("invert")))
     columns = spec.get("columns") or ((swept or ["job"]) + [m for m in DEFAULT_METRICS if any(r.get(m) is not None for r in rows)])
     if any("speedup" in r for r in rows) and "speedup" not in columns:
         columns = columns + ["speedup"]
+    check_names(rows, spec, columns, functions)
     if any(r["status"] != "ok" for r in rows):
         columns = columns + ["status"]
     out = {"md": sweep_dir / "report.md", "csv": sweep_dir / "report.csv", "png": sweep_dir / "report.png"}
@@ -324,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         out = write_report(args.sweep_dir)
-    except (FileNotFoundError, yaml.YAMLError) as e:
+    except (FileNotFoundError, yaml.YAMLError, ReportError) as e:
         print(f"report: {e}", file=sys.stderr)
         return 2
     print(out["md"].read_text())

@@ -302,3 +302,29 @@ def test_mean_tree_averages_equal_length_number_lists_element_wise():
 
     runs = [{"a": 1.0, "p": [1.0, 0.5], "s": "x", "q": [1, 2]}, {"a": 3.0, "p": [0.0, 0.5], "s": "x", "q": [1]}]
     assert mean_tree(runs) == {"a": 2.0, "p": [0.5, 0.5]}       # lists of unequal length are left out
+
+
+def test_a_column_naming_a_missing_metric_is_an_error_with_the_closest_names(tmp_path):
+    from graph.report import ReportError
+
+    report = {"columns": ["case", "wall_s", "ttft_z"], "derived": {"gen_s": "wall_s - decode_z"}}
+    make_job(tmp_path, "0", ["case=a"], metrics(1.0), report)
+    with pytest.raises(ReportError) as e:
+        write_report(tmp_path)
+    assert "columns: no job has 'ttft_z' (closest: ttft_s" in str(e.value)
+    assert "derived gen_s: no job has 'decode_z' (closest: decode_s" in str(e.value)
+    run = _cli(str(tmp_path))
+    assert run.returncode == 2 and "no job has 'ttft_z'" in run.stderr
+
+
+def test_derived_columns_call_the_named_formulas_module(tmp_path):
+    report = {"columns": ["case", "bound", "eq7"], "formulas": "job.bounds",
+              "derived": {"bound": "sd_ms_per_token_bound(window, tq_ms, tp_ms, acceptance)",
+                          "eq7": "sd_speedup_eq7(acceptance, tp_ms / tq_ms)"}}
+    row = {**metrics(1.0), "window": 2, "tq_ms": 1.0, "tp_ms": 3.0, "acceptance": 0.5}
+    make_job(tmp_path, "0", ["case=a"], row, report)
+    write_report(tmp_path)
+    with (tmp_path / "report.csv").open() as f:
+        got = next(csv.DictReader(f))
+    # the expression the bench config used to spell out, evaluated by hand: 6 / 0.9375
+    assert float(got["bound"]) == pytest.approx(6.4) and float(got["eq7"]) == pytest.approx(1.5)
