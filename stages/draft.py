@@ -102,7 +102,7 @@ class ModelDraft(Stage):
             meta["tq_s"] = self.tq[0] / self.tq[1]
         if self.round == 1:      # what the draft works from, for the run's metrics
             meta |= {"draft_model": self.lm.name, "window_setting": "auto" if self.auto else self.window,
-                     "draft_prefill": kv.meta.get("prefill")}
+                     "draft_prefill": kv.prefill}
         ctx.emit("proposal", Proposal(self.round, base, torch.tensor(tokens), torch.stack(probs) if probs else None,
                                       meta))
         return {}
@@ -122,7 +122,7 @@ class ModelDraft(Stage):
         self.in_cache = keep
 
     def _draft(self, ctx, kv: KV, k: int) -> tuple[list[int], list[torch.Tensor]]:
-        lm, layout = self.lm, kv.meta["layout"]
+        lm, layout = self.lm, kv.layout
         vocab = self.vocab or len(lm.tokenizer)
         pending = torch.tensor(self.sequence[self.in_cache:], dtype=torch.long)
         tokens, probs = [], []
@@ -132,7 +132,7 @@ class ModelDraft(Stage):
                     logits = lm.score(kv.cache, pending, kv.logical_length + self.in_cache, layout)[-1, :vocab]
                     self.in_cache += pending.shape[0]
                 else:                     # nothing after the prompt yet: the prefill's logits
-                    logits = kv.meta["logits"][:vocab]
+                    logits = kv.logits[:vocab]
                 token, q = self.sampling.pick(logits, self.rng)
             if pending.shape[0] == 1:     # one drafted token's forward, as the engine timed it: Tq
                 self.tq = [self.tq[0] + step.seconds, self.tq[1] + 1]

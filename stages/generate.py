@@ -40,14 +40,14 @@ class Generate(Stage):
         lm = self.lm
         rng = torch.Generator().manual_seed(self.seed)
         out = []
-        for token in decode(lm, kv.cache, kv.meta["logits"], kv.logical_length, kv.meta["layout"],
+        for token in decode(lm, kv.cache, kv.logits, kv.logical_length, kv.layout,
                             self.max_new_tokens, lambda logits: self._pick(logits, rng)):
             out.append(token)
             if len(out) == 1:
                 ctx.emit("first", Tokens([token]))
         text = lm.tokenizer.decode(out, skip_special_tokens=True)
-        meta = {"model": lm.name, "n_video_tokens": kv.meta.get("n_video_tokens"),
+        meta = {"model": lm.name, "n_video_tokens": kv.n_video_tokens,
                 "prompt_tokens": kv.logical_length, "stopped": "eos" if out[-1] in lm.eos_ids else "max_new_tokens",
-                "prefill": kv.meta.get("prefill")}
+                "prefill": kv.prefill}
         return {"tokens": Tokens(out, text, meta)}
 

@@ -185,7 +185,7 @@ class Prefill(Stage):
                 self.lm.prefill(self.cache, embeds[:end], layout.positions[:, :end], logits="none")
                 probs, logits = self.lm.attention_scores(self.cache, embeds[end:], layout.positions[:, end:],
                                                          self.attention, logits="last")
-                ctx.emit("attention", Taps(probs, {"layout": layout, "model": self.lm.name}))
+                ctx.emit("attention", Taps(probs, layout=layout, model=self.lm.name))
         else:
             layout = self._layout(request, self.frames)
             logits = self.lm.prefill(self.cache, self.lm.embed(layout.ids[self.done:]), layout.positions[:, self.done:])
@@ -200,9 +200,8 @@ class Prefill(Stage):
                  "kv_bytes": self.lm.cache_bytes(self.cache),
                  "peak_group_bytes": max(peaks) if peaks else None,
                  "prune": self.pruner.describe() if self.pruner else None}
-        kv = KV(self.cache, layout.length, {"layout": layout, "logits": logits, "model": self.lm.name,
-                                            "n_video_tokens": layout.n_video, "frames": self.frames,
-                                            "prefill": stats})
+        kv = KV(self.cache, layout.length, layout=layout, logits=logits, model=self.lm.name,
+                n_video_tokens=layout.n_video, frames=self.frames, prefill=stats)
         self._reset()
         return {"kv": kv}
 
@@ -229,7 +228,7 @@ class Prefill(Stage):
         def on_tap(layer: int, hidden: torch.Tensor) -> None:
             got[layer] = hidden
             if len(got) == len(self.taps):
-                ctx.emit("taps", Taps(dict(got), {"layout": layout, "model": self.lm.name}))
+                ctx.emit("taps", Taps(dict(got), layout=layout, model=self.lm.name))
 
         return on_tap
 
@@ -293,7 +292,7 @@ class SelectedPrefill(Prefill):
         stats = {"mode": "selected", "logical_length": layout.length, "video_tokens": layout.n_video,
                  "video_tokens_kept": int(selection.keep.numel()), "kv_bytes": self.lm.cache_bytes(self.cache),
                  "kept_share_by_tenth": [round(float(x), 4) for x in tenths / tenths.sum()]}
-        kv = KV(self.cache, layout.length, {"layout": layout, "logits": logits, "model": self.lm.name,
-                                            "n_video_tokens": layout.n_video, "frames": self.frames, "prefill": stats})
+        kv = KV(self.cache, layout.length, layout=layout, logits=logits, model=self.lm.name,
+                n_video_tokens=layout.n_video, frames=self.frames, prefill=stats)
         self._reset()
         return {"kv": kv}

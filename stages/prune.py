@@ -300,7 +300,7 @@ class UVPrune(Stage):
         if missing:
             raise ValueError(f"UV-Prune needs the target's layers {self.layers}; the prefill taps {sorted(taps.layers)}: "
                              f"set the target prefill's taps to include {missing}")
-        layout = taps.meta["layout"]
+        layout = taps.layout
         start, end = layout.video_start, layout.video_start + layout.n_video
         text = torch.arange(end, layout.length) if self.text == "query" else torch.cat(
             [torch.arange(start), torch.arange(end, layout.length)])
@@ -349,7 +349,7 @@ class AttentionPrune(Stage):
 
     def __call__(self, ctx, taps: Taps):
         attention = taps
-        layout = attention.meta["layout"]
+        layout = attention.layout
         start, end = layout.video_start, layout.video_start + layout.n_video
         received = torch.stack([probs[:, start:end].mean(0) for probs in attention.layers.values()]).mean(0)
         budget = max(1, math.ceil(round((1 - self.alpha) * layout.n_video, 9)))

@@ -72,20 +72,26 @@ class VisualTokens:
 
 @dataclass(frozen=True)
 class KV:
-    """A model's cache after (part of) prefill. A pruned cache is shorter than its logical
-    length; both are kept (DESIGN pitfall 2)."""
+    """A model's cache after prefill. A pruned cache is shorter than its logical length; both are
+    kept (docs/design.md, pitfall 2)."""
 
     cache: Any
-    logical_length: int
-    meta: dict = field(default_factory=dict)
+    logical_length: int         # the unpruned prompt's length: where the next token's position starts
+    layout: Any = None          # models.adapter.Layout: the prompt's ids and every position
+    logits: Any = None          # float [V]: the prefill's prediction of the first new token
+    model: str | None = None    # the model's name
+    n_video_tokens: int | None = None
+    frames: int | None = None   # video frames prefilled
+    prefill: dict | None = None   # how it was prefilled (mode, groups, tokens kept, kv_bytes...), for metrics
 
 
 @dataclass(frozen=True)
 class Taps:
-    """Hidden states published mid-forward: layer index -> [seq, hidden]."""
+    """Hidden states (or attention) published mid-forward: layer index -> [seq, hidden]."""
 
     layers: dict
-    meta: dict = field(default_factory=dict)
+    layout: Any = None          # the prompt's layout the rows follow
+    model: str | None = None
 
 
 @dataclass(frozen=True)

@@ -118,8 +118,8 @@ class Verifier(Stage):
 
     def __call__(self, ctx, kv: KV, proposal: Proposal):
         if not self.info:             # the run's first proposal: what draft and target worked from
-            self.info = {**proposal.meta, "target_prefill": kv.meta.get("prefill"),
-                         "n_video_tokens": kv.meta.get("n_video_tokens")}
+            self.info = {**proposal.meta, "target_prefill": kv.prefill,
+                         "n_video_tokens": kv.n_video_tokens}
         if self.done:
             return {}                 # a proposal drafted ahead of the end: nothing left to check
         draft, q = proposal.tokens.reshape(-1), proposal.probs
@@ -131,7 +131,7 @@ class Verifier(Stage):
             ctx.emit("verdict", Verdict(proposal.round, 0, -1, len(self.committed), stale=True))
             return {}
         draft, q = draft[overlap:], (q[overlap:] if q is not None else None)
-        lm, layout = self.lm, kv.meta["layout"]
+        lm, layout = self.lm, kv.layout
         with ctx.timer("verify") as verify:    # the forward and the rule: Tp
             pending = torch.tensor(self.committed[self.in_cache:], dtype=torch.long)
             if pending.shape[0]:          # the last committed token(s) and the draft, in one forward
@@ -139,7 +139,7 @@ class Verifier(Stage):
                 logits = logits[pending.shape[0] - 1:]                         # [k+1, V]: after each draft prefix
             else:                         # the first round: the prefill's logits predict the first token
                 scored = lm.score(kv.cache, draft, kv.logical_length, layout) if draft.shape[0] else None
-                logits = kv.meta["logits"][None] if scored is None else torch.cat([kv.meta["logits"][None], scored])
+                logits = kv.logits[None] if scored is None else torch.cat([kv.logits[None], scored])
             vocab = self.vocab or len(lm.tokenizer)
             logits = logits[:, :vocab]
             if self.sampling.greedy:
@@ -213,9 +213,9 @@ class ScoreCost(Stage):
         self.lm = get_model(self.model, ctx.device)
 
     def __call__(self, ctx, kv: KV):
-        ids = torch.full((self.k,), int(kv.meta["logits"].argmax()))
+        ids = torch.full((self.k,), int(kv.logits.argmax()))
         for _ in range(self.repeats):
-            self.lm.score(kv.cache, ids, kv.logical_length, kv.meta["layout"])
+            self.lm.score(kv.cache, ids, kv.logical_length, kv.layout)
             self.lm.drop_last(kv.cache, self.k)
         return {"tokens": Tokens([], None, {"k": self.k, "repeats": self.repeats,
                                             "cache_entries": self.lm.cached_length(kv.cache),

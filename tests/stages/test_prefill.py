@@ -114,7 +114,7 @@ def test_a_pruned_cache_keeps_positions_and_decodes_at_the_logical_length(tmp_pa
             stage(_Ctx(i, request), VisualTokens(i, lm.encode(chunk, last=start + 8 == 24), meta, last=start + 8 == 24),
                   request)
         kv = stage.finish(_Ctx(3, request))["kv"]
-        layout = kv.meta["layout"]
+        layout = kv.layout
 
         embeds = lm.embed(layout.ids, lm.encode(frames), layout.video_start)
         full = lm.new_cache()
@@ -129,7 +129,7 @@ def test_a_pruned_cache_keeps_positions_and_decodes_at_the_logical_length(tmp_pa
 
         assert lm.layer_lengths(kv.cache) == [len(kept)] and kv.logical_length == layout.length > len(kept)
         torch.testing.assert_close(lm.layer_kv(kv.cache, 0), lm.layer_kv(full, 0), rtol=1e-5, atol=1e-5)
-        token = torch.tensor([int(kv.meta["logits"].argmax())])
+        token = torch.tensor([int(kv.logits.argmax())])
         at_logical = lm.score(kv.cache, token, kv.logical_length, layout)
         lm.drop_last(kv.cache, 1)
         torch.testing.assert_close(at_logical, lm.score(full, token, layout.length, layout), rtol=1e-5, atol=1e-5)
@@ -211,16 +211,16 @@ def test_fastv_drops_visual_tokens_after_layer_k_only(tmp_path, keep):
             stage(_Ctx(0, request), VisualTokens(0, stage.lm.encode(frames), {"frames": 24, "frame_hw": (84, 84), "fps": 2.0},
                                                  last=True), request)
             out[name] = stage.finish(_Ctx(1, request))["kv"]
-        lm, layout = stage.lm, out["plain"].meta["layout"]
+        lm, layout = stage.lm, out["plain"].layout
         lengths = lm.layer_lengths(out["fastv"].cache)
         kept = math.ceil(keep * layout.n_video)
         text = layout.length - layout.n_video
         assert lengths == [layout.length] * 2 + [text + kept] * 4
-        token = torch.tensor([int(out["plain"].meta["logits"].argmax())])
+        token = torch.tensor([int(out["plain"].logits.argmax())])
         a = lm.score(out["plain"].cache, token, layout.length, layout)
         b = lm.score(out["fastv"].cache, token, layout.length, layout)
         if keep == 1.0:
-            torch.testing.assert_close(out["fastv"].meta["logits"], out["plain"].meta["logits"], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(out["fastv"].logits, out["plain"].logits, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         else:
             assert not torch.allclose(a, b, atol=1e-3)

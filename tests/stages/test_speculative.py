@@ -180,11 +180,11 @@ def test_uv_prune_selection_reaches_the_draft_prefill(pair):
     with Executor(spec, plan, progress=False, record=("draft_prefill.kv", "prune.selection")) as ex:
         out = ex.run(Request("v", video, PROMPT)).outputs
     kv, selection = out["draft_prefill.kv"], out["prune.selection"]
-    layout = kv.meta["layout"]
+    layout = kv.layout
     assert selection.total == layout.n_video and len(selection.keep) == -(-layout.n_video * 2 // 10)
     text = layout.length - layout.n_video
     # (the recorded cache has grown by the drafted tokens since; its prefill stats were taken at the end of prefill)
-    stats = kv.meta["prefill"]
+    stats = kv.prefill
     assert stats["video_tokens_kept"] == len(selection.keep) and kv.logical_length == layout.length
     per_token = 2 * 2 * 1 * 64 * 4          # keys and values x 2 layers x 1 KV head x head_dim 64 x fp32 (the zoo's drafts)
     assert stats["kv_bytes"] == (text + len(selection.keep)) * per_token
