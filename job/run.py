@@ -88,8 +88,15 @@ def run_metrics(result: RunResult, spec: GraphSpec, plan: Plan, first_token: str
         "resources": resource_busy(calls),
         "ports": {k: {kk: (round(vv, 6) if isinstance(vv, float) else vv) for kk, vv in v.items()}
                   for k, v in result.port_times.items()},
-        "tokens_meta": dict(getattr(tokens, "meta", {}) or {}) if tokens is not None else None,
+        "tokens_meta": _details(tokens),
     }
+
+
+def _details(tokens: Any) -> dict | None:
+    """What the answer's stage says about it (stages.types.Tokens.details), for tokens_meta."""
+    if tokens is None:
+        return None
+    return tokens.details() if callable(getattr(tokens, "details", None)) else dict(getattr(tokens, "meta", {}) or {})
 
 
 def summary_table(per_run: list[dict], summary: dict) -> str:

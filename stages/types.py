@@ -129,12 +129,56 @@ class Verdict:
 
 
 @dataclass(frozen=True)
+class SpeculativeStats:
+    """What a speculative run did, round by round; `metrics()` gives its figures for metrics.json.
+
+    M (mean_accepted_length): tokens committed per verification round, the accepted draft tokens
+    and the target's own; acceptance: accepted over drafted tokens; Tp: the target's verification
+    of a round; Tq: the draft's forward for one drafted token (both timed by the engine)."""
+
+    committed: int                  # tokens committed in all
+    accepted: tuple = ()            # per round: draft tokens accepted
+    drafted: tuple = ()             # per round: draft tokens verified
+    windows: tuple = ()             # per round: the γ the draft used
+    verify_s: tuple = ()            # per round: Tp
+    tq_s: float | None = None       # the draft's mean time per drafted token
+    stale_proposals: int = 0        # rounds drafted ahead on a prefix the target did not commit
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    def per_position_acceptance(self) -> list[float]:
+        """Share of the rounds that drafted a token at position i whose draft was accepted up to i."""
+        k_max = max(self.drafted, default=0)
+        return [round(sum(a > i for a in self.accepted) / max(1, sum(d > i for d in self.drafted)), 4)
+                for i in range(k_max)]
+
+    def metrics(self) -> dict:
+        rounds = self.rounds
+        return {"rounds": rounds, "stale_proposals": self.stale_proposals,
+                "mean_accepted_length": round(self.committed / rounds, 4) if rounds else None,
+                "acceptance_rate": round(sum(self.accepted) / max(1, sum(self.drafted)), 4),
+                "per_position_acceptance": self.per_position_acceptance(),
+                "window_mean": round(sum(self.windows) / len(self.windows), 3) if self.windows else None,
+                "window_last": self.windows[-1] if self.windows else None,
+                "tp_ms": round(1000 * sum(self.verify_s) / len(self.verify_s), 3) if self.verify_s else None,
+                "tq_ms": round(1000 * self.tq_s, 3) if self.tq_s else None}
+
+
+@dataclass(frozen=True)
 class Tokens:
-    """Generated output."""
+    """Generated output: the ids, their text, what the generating stage adds about them (`meta`:
+    model, prefill statistics...) and, for speculative decoding, its round-by-round record."""
 
     ids: list
     text: str | None = None
     meta: dict = field(default_factory=dict)
+    speculative: SpeculativeStats | None = None
+
+    def details(self) -> dict:
+        """metrics.json's tokens_meta: `meta`, and the speculative figures where there are any."""
+        return {**self.meta, **(self.speculative.metrics() if self.speculative is not None else {})}
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import torch
 from graph.stage import In, Out, Stage
 from models.registry import get_model
 from models.sampling import Sampling, sample
-from stages.types import KV, Proposal, Tokens, Verdict
+from stages.types import KV, Proposal, SpeculativeStats, Tokens, Verdict
 
 
 # ------------------------------------------------------------------------------ the rules
@@ -175,21 +175,11 @@ class Verifier(Stage):
     def finish(self, ctx):
         lm = self.lm
         ids = self.committed
-        rounds = max(1, self.rounds)
-        k_max = max(self.drafted, default=0)
-        per_position = [round(sum(a > i for a in self.accepted) / max(1, sum(d > i for d in self.drafted)), 4)
-                        for i in range(k_max)]
-        meta = {"model": lm.name, **self.info, "rounds": self.rounds, "stale_proposals": self.stale,
-                # M: tokens committed per verification round (the accepted draft tokens + the target's own)
-                "mean_accepted_length": round(len(ids) / rounds, 4) if self.rounds else None,
-                "acceptance_rate": round(sum(self.accepted) / max(1, sum(self.drafted)), 4),
-                "per_position_acceptance": per_position,
-                "window_mean": round(sum(self.windows) / len(self.windows), 3) if self.windows else None,
-                "window_last": self.windows[-1] if self.windows else None,
-                "tp_ms": round(1000 * sum(self.verify_s) / len(self.verify_s), 3) if self.verify_s else None,
-                "tq_ms": round(1000 * self.tq_s, 3) if self.tq_s else None,
+        stats = SpeculativeStats(len(ids), tuple(self.accepted), tuple(self.drafted), tuple(self.windows),
+                                 tuple(self.verify_s), self.tq_s, self.stale)
+        meta = {"model": lm.name, **self.info,
                 "stopped": "eos" if ids and ids[-1] in lm.eos_ids else "max_new_tokens"}
-        out = Tokens(list(ids), lm.tokenizer.decode(ids, skip_special_tokens=True), meta)
+        out = Tokens(list(ids), lm.tokenizer.decode(ids, skip_special_tokens=True), meta, stats)
         self._reset()
         return {"tokens": out}
 

@@ -91,7 +91,7 @@ def test_greedy_speculative_decoding_is_token_identical_to_generate(pair, window
     ref = reference_ids(target, video, PROMPT, 24)
     assert len(set(ref)) > 3
     assert tokens.ids == ref
-    meta = tokens.meta
+    meta = tokens.details()
     assert meta["rounds"] >= 24 / (window + 1)
     assert tokens.ids[:1] == ref[:1]
     assert 0 <= meta["acceptance_rate"] < 0.9          # a random draft: rollbacks happened
@@ -106,10 +106,10 @@ def test_a_draft_that_always_agrees_commits_window_plus_one_per_round(pair, prim
     target, _, video = pair
     tokens = run_sd(sd_nodes(target, dict(target), window=3, prime=prime, max_new_tokens=21), video)
     assert tokens.ids == reference_ids(target, video, PROMPT, 21)
-    assert tokens.meta["acceptance_rate"] == 1.0
-    assert tokens.meta["stale_proposals"] == 0
+    assert tokens.speculative.metrics()["acceptance_rate"] == 1.0
+    assert tokens.speculative.stale_proposals == 0
     if prime == 1:
-        assert tokens.meta["rounds"] == 6 and tokens.meta["mean_accepted_length"] == 3.5   # 5 x 4 + 1 = 21
+        assert tokens.speculative.rounds == 6 and tokens.details()["mean_accepted_length"] == 3.5   # 5 x 4 + 1 = 21
 
 
 def test_auto_window_is_the_seeds_eq6_within_bounds():
@@ -131,7 +131,7 @@ def test_auto_window_is_lossless_and_reports_the_measured_times(pair, prime):
     nodes["draft"]["stage"].update(start_window=2, max_window=6)
     tokens = run_sd(nodes, video)
     assert tokens.ids == reference_ids(target, video, PROMPT, 24)
-    meta = tokens.meta
+    meta = tokens.details()
     assert meta["window_setting"] == "auto" and meta["window"] == 2        # round 1: start_window
     assert meta["tp_ms"] > 0 and meta["tq_ms"] > 0
     assert 1 <= meta["window_last"] <= 6 and 1 <= meta["window_mean"] <= 6
