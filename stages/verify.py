@@ -12,7 +12,7 @@ The acceptance rules are pure functions:
                                                                  all accepted: draw from p_k
 
 p and q are the *warped* distributions (models.sampling.warp with the same temperature, top-k and
-top-p on both, over the shared vocabulary: DESIGN pitfall 5), so the committed tokens follow the
+top-p on both, over the shared vocabulary: docs/design.md, pitfall 5), so the committed tokens follow the
 target's own sampling distribution exactly, and with temperature 0 they are the target's greedy
 tokens: the output is the target's `generate()`'s.
 
@@ -22,7 +22,7 @@ first proposed token, and the k proposed ones are scored), commits the accepted 
 next token (bonus or correction), rolls its cache back to the committed sequence, and answers
 with a Verdict on the feedback edge. A proposal drafted on a prefix that a verdict has since
 rejected (the draft runs a round ahead, PEARL-style) is stale: it is answered without work.
-EOS and max_new_tokens inside an accepted block cut the block there (DESIGN pitfall 6).
+EOS and max_new_tokens inside an accepted block cut the block there (docs/design.md, pitfall 6).
 """
 
 from __future__ import annotations

@@ -144,8 +144,15 @@ def test_crop_rolls_back_scored_tokens(lm, video):
     first = lm.score(cache, torch.tensor([7, 8, 9]), layout.length, layout)
     lm.crop(cache, layout.length)
     assert lm.cached_length(cache) == layout.length
-    again = lm.score(cache, torch.tensor([7, 8]), layout.length, layout)
-    torch.testing.assert_close(again, first[:2], rtol=1e-5, atol=1e-5)
+    # What a rollback must give: the cache exactly as before the scored tokens. The same 3 tokens
+    # scored again run the same shapes through the same kernels over the same cache, so the logits
+    # are bit-identical on any machine; a shorter forward may pick other kernels and sum in another
+    # order (docs/design.md, pitfall 4), so against it only the prediction is compared.
+    again = lm.score(cache, torch.tensor([7, 8, 9]), layout.length, layout)
+    assert torch.equal(again, first)
+    lm.crop(cache, layout.length)
+    shorter = lm.score(cache, torch.tensor([7, 8]), layout.length, layout)
+    assert torch.equal(shorter.argmax(-1), first[:2].argmax(-1))
     with pytest.raises(ValueError, match="cannot crop"):
         lm.crop(cache, layout.length + 10)
 
