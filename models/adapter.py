@@ -31,6 +31,8 @@ from typing import Callable
 
 import torch
 
+from models.attention import SMALL_QUERY
+from models.lean import LeanDecoder, tree_depths, tree_mask
 from models.prompt import video_prompt_ids
 
 
@@ -89,6 +91,8 @@ class VideoLM:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = self.text_config.vocab_size
+        # the decode path: tokens after the prompt through models.lean (None: the model's own forward)
+        self.lean = LeanDecoder.of(self.text)
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
@@ -163,7 +167,7 @@ class VideoLM:
             n_cached = cache.get_seq_length(i) if i < len(cache.layers) else 0
             if n_cached not in masks:
                 masks[n_cached] = create_causal_mask(config=self.text_config, inputs_embeds=x, attention_mask=None,
-                                                     past_key_values=cache, layer_idx=i)
+                                                     cache=cache, layer_idx=i)
             return masks[n_cached]
 
         rope = self.text.rotary_emb(x, pos)
@@ -186,13 +190,13 @@ class VideoLM:
                 if self.text_config._attn_implementation != NAME:
                     raise ValueError(f"drop_after needs attn_implementation={NAME!r} (it reads the layer's attention)")
                 with capture_last_row([i]) as row:
-                    x = layer(x, attention_mask=mask_for(i), position_embeddings=rope, past_key_values=cache,
+                    x = layer(x, attention_mask=mask_for(i), position_embeddings=rope, cache=cache,
                               use_cache=True)
                 keep = choose(row[i]).to(x.device)
                 x, rope = x[:, keep], tuple(r.index_select(-2, keep) for r in rope)
                 masks.clear()
             else:
-                x = layer(x, attention_mask=mask_for(i), position_embeddings=rope, past_key_values=cache, use_cache=True)
+                x = layer(x, attention_mask=mask_for(i), position_embeddings=rope, cache=cache, use_cache=True)
             if i + 1 in taps and on_tap:
                 on_tap(i + 1, x[0])
         return x
@@ -221,9 +225,32 @@ class VideoLM:
         return captured if logits == "none" else (captured, out)
 
     def score(self, cache, ids: torch.Tensor, start: int, layout: Layout, **kw) -> torch.Tensor:
-        """Logits [k, vocab] for k new tokens `ids` at logical indices start.. (after the prompt)."""
+        """Logits [k, vocab] for k new tokens `ids` at logical indices start.. (after the prompt).
+        A few tokens (a decode step, a verification) take the lean path (models.lean) unless the
+        model was loaded with lean=False or `kw` asks for what only the model's forward does
+        (taps, FastV's drop)."""
         ids = ids.reshape(-1)
+        if self.lean is not None and not kw and ids.shape[0] <= SMALL_QUERY:
+            positions = torch.arange(start, start + ids.shape[0]) + layout.rope_delta
+            return self._lean_logits(cache, ids, positions, None)
         return self.prefill(cache, self.embed(ids), layout.decode_positions(start, ids.shape[0]), logits="all", **kw)
+
+    def score_tree(self, cache, ids: torch.Tensor, parents: torch.Tensor, start: int, layout: Layout) -> torch.Tensor:
+        """Logits [n, vocab] for a tree of n candidate tokens after the cached sequence, in one
+        forward: node i (ids[i]) follows its parent parents[i] (-1: the last cached token), sits
+        at logical index start + its depth, and attends to the cache and its own ancestors. All n
+        entries join the cache in node order (keep the accepted path's with `keep`)."""
+        if self.lean is None:
+            raise ValueError(f"{self.name}: tree scoring needs the lean path (models.lean), which this model "
+                             "does not have or was loaded without (lean=False)")
+        ids, parents = ids.reshape(-1), parents.reshape(-1)
+        positions = start + tree_depths(parents) + layout.rope_delta
+        return self._lean_logits(cache, ids, positions, tree_mask(parents))
+
+    @torch.inference_mode()
+    def _lean_logits(self, cache, ids: torch.Tensor, positions: torch.Tensor, mask) -> torch.Tensor:
+        hidden = self.lean.forward(cache, self.embed(ids), positions, mask)
+        return self.lm_head(hidden).float()
 
     # ----------------------------------------------------------------------------- cache edits
 

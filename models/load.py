@@ -41,7 +41,16 @@ def resolve(path: str) -> str:
 
 
 def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa",
-               name: str | None = None):
+               lean: bool = True, name: str | None = None):
+    """The checkpoint at `path` behind the VideoLM protocol. lean: decode steps and verifications
+    take models.lean's path over the model's weights (False: the model's own forward)."""
+    lm = _load(path, dtype=dtype, device=device, attn_implementation=attn_implementation, name=name)
+    if not lean:
+        lm.lean = None
+    return lm
+
+
+def _load(path: str, *, dtype: str, device: str, attn_implementation: str, name: str | None):
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
 
     if dtype not in DTYPES:

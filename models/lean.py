@@ -1,0 +1,173 @@
+"""The lean forward: a few new tokens over a cached prefix (a decode step, a k-token verification,
+a tree of candidates), computed from the model's own weights without transformers' per-call
+machinery.
+
+A decode step of a small model is mostly fixed cost, not arithmetic: transformers' decoder layer
+builds a causal mask, dispatches through the attention interface, kwargs handling, deprecation
+checks and cache bookkeeping for every layer of every step, and on 2 CPU cores that costs more
+than the layer's matmuls over 1,080 cached tokens. This module runs the same operations the
+layers run (RMSNorm in float32, the q/k/v projections with their biases, rotary embedding as
+`rotate_half` applies it, grouped attention with a float32 softmax, SwiGLU), in the same order,
+on the same tensors, with nothing else in between. Rotary cos/sin come from the model's own
+`rotary_emb`, evaluated once for a table of positions and then indexed.
+
+It serves the tokens after the prompt only: their rotary position is one number on every MRoPE
+row (logical index + rope_delta, models.adapter.Layout.decode_positions), so one table row per
+position is exact. Prefill, taps and attention capture stay on the model's own forward.
+
+    lean = LeanDecoder.of(lm.text)            # None when the model's layers are not the Qwen2 kind
+    hidden = lean.forward(cache, embeds, positions)                       # [n, hidden], final norm
+    hidden = lean.forward(cache, embeds, positions, mask=tree_mask(parents))  # candidates as a tree
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from models.attention import grouped_attention
+
+TABLE_STEP = 4096       # rotary table rows added at a time (positions beyond it extend it)
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's parameters, the model's own tensors (no copies)."""
+
+    input_norm: torch.Tensor
+    q: torch.Tensor
+    q_bias: torch.Tensor | None
+    k: torch.Tensor
+    k_bias: torch.Tensor | None
+    v: torch.Tensor
+    v_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [n, d] -> [n, d]: the Qwen2 RMSNorm, variance in float32, scaled in the input's dtype."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [heads, n, head_dim]; cos, sin [n, head_dim] -> x rotated (transformers' rotate_half rule)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def tree_mask(parents: torch.Tensor) -> torch.Tensor:
+    """parents int64 [n] (parents[i] < i, or -1 for a root: a child of the last cached token) ->
+    bool [n, n]: row i attends to column j iff j is i or one of its ancestors. A chain
+    (parents = i - 1) gives the causal mask."""
+    n = parents.shape[0]
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents.tolist()):
+        if p >= i:
+            raise ValueError(f"node {i}'s parent {p} is not before it: a tree lists parents first")
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """parents int64 [n] as in tree_mask -> depth of each node [n] (a root has depth 0)."""
+    depth: list[int] = []
+    for p in parents.tolist():
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return torch.tensor(depth, dtype=torch.long)
+
+
+class LeanDecoder:
+    """The decoder layers of a Qwen2-kind text model (Qwen2.5-VL's and LLaVA-OneVision's), run
+    lean over a models.cache GrowingLayer cache."""
+
+    def __init__(self, text_model):
+        config = text_model.config
+        self.text = text_model
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim ** -0.5
+        self.eps = config.rms_norm_eps
+        self.layers = [self._weights(layer) for layer in text_model.layers]
+        self.final_norm = text_model.norm.weight
+        self._cos = self._sin = None
+
+    @classmethod
+    def of(cls, text_model) -> "LeanDecoder | None":
+        """A LeanDecoder when every layer is the Qwen2 kind with full attention, else None."""
+        config = text_model.config
+        if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "use_sliding_window", False):
+            return None
+        if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
+            return None
+        needed = ("input_layernorm", "post_attention_layernorm", "self_attn", "mlp")
+        if not all(all(hasattr(layer, n) for n in needed) for layer in text_model.layers):
+            return None
+        attn = text_model.layers[0].self_attn
+        if any(hasattr(attn, n) for n in ("q_norm", "k_norm")):      # Qwen3-style norms: another kind
+            return None
+        return cls(text_model)
+
+    @staticmethod
+    def _weights(layer) -> LayerWeights:
+        a, m = layer.self_attn, layer.mlp
+        return LayerWeights(layer.input_layernorm.weight, a.q_proj.weight, a.q_proj.bias, a.k_proj.weight,
+                            a.k_proj.bias, a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.o_proj.bias,
+                            layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
+                            m.down_proj.weight)
+
+    # ------------------------------------------------------------------------- rotary table
+
+    def _rotary(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, head_dim] of 1-D positions [n], rows of a table the model's own rotary
+        embedding computed (every MRoPE row at the same position, as after the prompt)."""
+        need = int(positions.max()) + 1
+        if self._cos is None or need > self._cos.shape[0] or self._cos.dtype != like.dtype:
+            rows = (need // TABLE_STEP + 1) * TABLE_STEP
+            pos = torch.arange(rows, device=like.device)[None]                     # [1, rows]
+            if getattr(self.text.rotary_emb, "mrope_section", None) is not None:
+                pos = pos[None].expand(3, 1, rows)                                 # [3, 1, rows]
+            cos, sin = self.text.rotary_emb(like[None, :1], pos)
+            self._cos, self._sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
+        return self._cos[positions], self._sin[positions]
+
+    # ------------------------------------------------------------------------- forward
+
+    @torch.inference_mode()
+    def forward(self, cache, embeds: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """embeds [n, hidden] at 1-D rotary positions [n] after the cached entries of every layer;
+        appends their keys and values to `cache`. mask: None (causal among the n) or bool [n, n]
+        (row i sees column j among the new tokens; every cached entry is seen). Returns the
+        final-norm hidden states [n, hidden]."""
+        x = embeds
+        n = x.shape[0]
+        cos, sin = self._rotary(positions.to(x.device), x)
+        for i, w in enumerate(self.layers):
+            h = rms_norm(x, w.input_norm, self.eps)
+            q = F.linear(h, w.q, w.q_bias).view(n, self.n_heads, self.head_dim).transpose(0, 1)      # [H, n, hd]
+            k = F.linear(h, w.k, w.k_bias).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1)   # [KV, n, hd]
+            v = F.linear(h, w.v, w.v_bias).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            keys, values = cache.layers[i].update(k[None], v[None])                                 # [1, KV, L, hd]
+            full = None
+            if mask is not None:          # every cached entry, then the tree among the new ones
+                full = torch.ones(1, 1, n, keys.shape[2], dtype=torch.bool, device=x.device)
+                full[..., keys.shape[2] - n:] = mask.to(x.device)
+            attn = grouped_attention(q[None], keys, values, full, self.scaling)                     # [1, n, H, hd]
+            x = x + F.linear(attn.reshape(n, self.n_heads * self.head_dim), w.o, w.o_bias)
+            h = rms_norm(x, w.post_norm, self.eps)
+            x = x + F.linear(F.silu(F.linear(h, w.gate)) * F.linear(h, w.up), w.down)
+        return rms_norm(x, self.final_norm, self.eps)
