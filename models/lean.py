@@ -105,7 +105,7 @@ class LeanDecoder:
         self._cos = self._sin = None
 
     @classmethod
-    def of(cls, text_model) -> "LeanDecoder | None":
+    def of(cls, text_model) -> LeanDecoder | None:
         """A LeanDecoder when every layer is the Qwen2 kind with full attention, else None."""
         config = text_model.config
         if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "use_sliding_window", False):

@@ -47,7 +47,7 @@ def test_lean_is_used_and_can_be_turned_off(pair):
 @pytest.mark.parametrize("k", [1, 4, 16])
 def test_lean_scores_like_the_models_forward(pair, k):
     lean, plain = pair
-    layout, cache, logits = prefilled(lean)
+    layout, cache, _ = prefilled(lean)
     _, plain_cache, _ = prefilled(plain)
     ids = torch.arange(10, 10 + k) % lean.vocab_size
     for step in range(3):           # several steps: the cache grows through the lean path itself
