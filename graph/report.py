@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 DEFAULT_METRICS = ["wall_s", "ttft_s", "decode_s", "ideal_wall_s", "efficiency"]
 
 
-def _flatten(d: dict, prefix: str = "", depth: int = 3) -> dict[str, Any]:
+def _flatten(d: dict, prefix: str = "", depth: int = 4) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"

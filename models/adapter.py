@@ -142,7 +142,8 @@ class VideoLM:
     def prefill(self, cache, embeds: torch.Tensor, positions: torch.Tensor, *, taps=(),
                 on_tap: Callable[[int, torch.Tensor], None] | None = None,
                 logits: str = "last", hidden: bool = False,
-                drop_after: int | None = None, choose: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                drop_after: int | None = None, choose: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                among: torch.Tensor | None = None):
         """Runs `embeds` [n, hidden] at `positions` [P, n] through the decoder, appending to `cache`.
 
         taps: layer numbers l (1..n_layers; l is the output of layer l, 0 the embeddings) whose
@@ -153,6 +154,8 @@ class VideoLM:
         gets the last token's attention at that layer over the cache (float [n_cached + n]) and
         returns the indices (into this span, sorted) of the tokens the later layers keep; those
         layers then compute and cache only them (needs attn_implementation="reelflow").
+        among: bool [n, n], which of the span's tokens each one sees (a draft tree's ancestors; every
+        cached entry is seen); None: causal.
         """
         from transformers.masking_utils import create_causal_mask
 
@@ -165,6 +168,8 @@ class VideoLM:
 
         def mask_for(i: int):
             n_cached = cache.get_seq_length(i) if i < len(cache.layers) else 0
+            if n_cached not in masks and among is not None:
+                masks[n_cached] = self._span_mask(among, n_cached)
             if n_cached not in masks:
                 masks[n_cached] = create_causal_mask(config=self.text_config, inputs_embeds=x, attention_mask=None,
                                                      cache=cache, layer_idx=i)
@@ -179,6 +184,17 @@ class VideoLM:
         if out is not None and logits == "last":
             out = out[0]
         return (out, x) if hidden else out
+
+    def _span_mask(self, among: torch.Tensor, n_cached: int) -> torch.Tensor:
+        """[1, 1, n, n_cached + n] mask of a span that sees every cached entry and, among its own
+        tokens, what `among` [n, n] allows: bool (True: attend), or additive float for eager."""
+        n = among.shape[0]
+        mask = torch.ones(1, 1, n, n_cached + n, dtype=torch.bool, device=self.device)
+        mask[..., n_cached:] = among.to(self.device)
+        if self.text_config._attn_implementation == "eager":
+            return torch.zeros(mask.shape, dtype=self.dtype, device=self.device).masked_fill(
+                ~mask, torch.finfo(self.dtype).min)
+        return mask
 
     def _layers(self, x, rope, cache, taps, on_tap, mask_for, masks, drop_after, choose):
         if 0 in taps and on_tap:
@@ -240,12 +256,12 @@ class VideoLM:
         forward: node i (ids[i]) follows its parent parents[i] (-1: the last cached token), sits
         at logical index start + its depth, and attends to the cache and its own ancestors. All n
         entries join the cache in node order (keep the accepted path's with `keep`)."""
-        if self.lean is None:
-            raise ValueError(f"{self.name}: tree scoring needs the lean path (models.lean), which this model "
-                             "does not have or was loaded without (lean=False)")
         ids, parents = ids.reshape(-1), parents.reshape(-1)
-        positions = start + tree_depths(parents) + layout.rope_delta
-        return self._lean_logits(cache, ids, positions, tree_mask(parents))
+        positions = start + tree_depths(parents) + layout.rope_delta             # [n]
+        if self.lean is not None and ids.shape[0] <= SMALL_QUERY:
+            return self._lean_logits(cache, ids, positions, tree_mask(parents))
+        positions = positions.expand(layout.positions.shape[0], -1)              # [P, n]: one value per row
+        return self.prefill(cache, self.embed(ids), positions, logits="all", among=tree_mask(parents))
 
     @torch.inference_mode()
     def _lean_logits(self, cache, ids: torch.Tensor, positions: torch.Tensor, mask) -> torch.Tensor:

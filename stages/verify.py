@@ -183,30 +183,3 @@ class Verifier(Stage):
         self._reset()
         return {"tokens": out}
 
-
-class ScoreCost(Stage):
-    """What verification costs: scores `k` tokens over the prompt's cache `repeats` times (rolling
-    back each time), so the executor's busy time of this node / repeats is one k-token forward.
-    For bench_verify: the verifier's forward against the one-token step of autoregressive decoding."""
-
-    placement = "gpu"
-    inputs = {"kv": In(KV)}
-    outputs = {"tokens": Out(Tokens)}
-
-    def __init__(self, model: dict, k: int = 4, repeats: int = 20):
-        if k < 1 or repeats < 1:
-            raise ValueError(f"k and repeats must be ≥ 1, got k={k}, repeats={repeats}")
-        self.model, self.k, self.repeats = dict(model), k, repeats
-        self.lm = None
-
-    def setup(self, ctx) -> None:
-        self.lm = get_model(self.model, ctx.device)
-
-    def __call__(self, ctx, kv: KV):
-        ids = torch.full((self.k,), int(kv.logits.argmax()))
-        for _ in range(self.repeats):
-            self.lm.score(kv.cache, ids, kv.logical_length, kv.layout)
-            self.lm.drop_last(kv.cache, self.k)
-        return {"tokens": Tokens([], None, {"k": self.k, "repeats": self.repeats,
-                                            "cache_entries": self.lm.cached_length(kv.cache),
-                                            "attn_implementation": self.lm.text_config._attn_implementation})}

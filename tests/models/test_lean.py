@@ -76,8 +76,9 @@ def test_lean_scores_over_a_layer_wise_pruned_cache(pair):
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
-def test_a_tree_scores_each_node_as_its_own_chain_would(pair):
-    lean, _ = pair
+@pytest.mark.parametrize("path", ["lean", "model"])
+def test_a_tree_scores_each_node_as_its_own_chain_would(pair, path):
+    lean = pair[0] if path == "lean" else pair[1]
     #        0 ─ 1 ─ 3
     #        │   └── 4
     # root ─ ┤

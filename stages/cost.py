@@ -1,0 +1,120 @@
+"""cost: what one model's forwards over a real prompt cache cost, for the benchmarks.
+
+    StepCost    a decode step (k = 1), k-token verifications and a draft tree, each timed by the
+                engine (ctx.timer) over `repeats` forwards that are rolled back, beside the bytes the
+                step must read (weights and cached entries) and a copy of that many bytes, timed
+                the same way: the memory-traffic floor of the step on this machine (bench_step)
+    ScoreCost   one k-token forward `repeats` times (bench_verify: the verifier's forward against
+                the one-token step, by attention implementation)
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from graph.stage import In, Out, Stage
+from models.registry import get_model
+from stages.types import KV, Tokens
+
+
+def parse_shape(shape) -> tuple[str, int]:
+    """1, 8 or "k8" -> ("chain", k); "tree30" -> ("tree", 30)."""
+    text = str(shape)
+    kind, _, count = (("tree", "", text[4:]) if text.startswith("tree")
+                      else ("chain", "", text[1:] if text.startswith("k") else text))
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"shape {shape!r}: a token count (8 or 'k8') or a tree size ('tree30')")
+    return kind, int(count)
+
+
+def bushy_tree(n: int, width: int = 4) -> torch.Tensor:
+    """parents [n] of a tree shaped like a draft's dynamic tree: `width` roots, each node with up
+    to `width` children, filled breadth first (30 nodes, width 4: depths 0-2)."""
+    parents = [-1 if i < width else (i - width) // width for i in range(n)]
+    return torch.tensor(parents, dtype=torch.long)
+
+
+def step_bytes(lm, cache) -> dict:
+    """Bytes a forward of a few tokens must read: every decoder layer's weights, the final norm
+    and the LM head (the input embedding is a row lookup: left out), and the cached entries."""
+    weights = sum(p.numel() * p.element_size() for p in lm.text.layers.parameters())
+    weights += sum(p.numel() * p.element_size() for p in lm.text.norm.parameters())
+    weights += lm.lm_head.weight.numel() * lm.lm_head.weight.element_size()
+    return {"weight_bytes": int(weights), "cache_bytes": int(lm.cache_bytes(cache))}
+
+
+class StepCost(Stage):
+    """model: the entry whose forwards are timed (its cache is `kv`'s: prefill it with the same
+    model); shapes: 1, "k8", "tree30" ...; repeats: forwards per shape (the engine records each as
+    timer "k<k>" or "tree<n>", and the copy as "copy")."""
+
+    placement = "gpu"
+    inputs = {"kv": In(KV)}
+    outputs = {"tokens": Out(Tokens)}
+
+    def __init__(self, model: dict, shapes: list | tuple = (1, 2, 4, 8, 16, "tree30"), repeats: int = 30):
+        if repeats < 1:
+            raise ValueError(f"repeats must be ≥ 1, got {repeats}")
+        self.shapes = [parse_shape(s) for s in shapes]
+        self.model, self.repeats = dict(model), repeats
+        self.lm = None
+
+    def setup(self, ctx) -> None:
+        self.lm = get_model(self.model, ctx.device)
+
+    def __call__(self, ctx, kv: KV):
+        lm, layout = self.lm, kv.layout
+        token = int(kv.logits.argmax())
+        start = kv.logical_length
+        for kind, n in self.shapes:
+            ids = torch.full((n,), token)
+            name = f"k{n}" if kind == "chain" else f"tree{n}"
+            parents = bushy_tree(n) if kind == "tree" else None
+            for _ in range(self.repeats + 1):     # the first is a warm-up, untimed
+                with ctx.timer(name) if _ else contextlib.nullcontext():
+                    if parents is None:
+                        lm.score(kv.cache, ids, start, layout)
+                    else:
+                        lm.score_tree(kv.cache, ids, parents, start, layout)
+                lm.drop_last(kv.cache, n)
+        sizes = step_bytes(lm, kv.cache)
+        total = sizes["weight_bytes"] + sizes["cache_bytes"]
+        source = torch.ones(total // 4, device=lm.device)
+        target = torch.empty_like(source)
+        for _ in range(self.repeats + 1):
+            with ctx.timer("copy") if _ else contextlib.nullcontext():
+                target.copy_(source)
+        meta = {**sizes, "step_bytes": total, "copy_bytes": 2 * source.numel() * 4,    # read + write
+                "cache_entries": lm.cached_length(kv.cache), "lean": lm.lean is not None, "model": lm.name}
+        return {"tokens": Tokens([], None, meta)}
+
+
+class ScoreCost(Stage):
+    """What verification costs: scores `k` tokens over the prompt's cache `repeats` times (rolling
+    back each time), so the executor's busy time of this node / repeats is one k-token forward.
+    For bench_verify: the verifier's forward against the one-token step of autoregressive decoding."""
+
+    placement = "gpu"
+    inputs = {"kv": In(KV)}
+    outputs = {"tokens": Out(Tokens)}
+
+    def __init__(self, model: dict, k: int = 4, repeats: int = 20):
+        if k < 1 or repeats < 1:
+            raise ValueError(f"k and repeats must be ≥ 1, got k={k}, repeats={repeats}")
+        self.model, self.k, self.repeats = dict(model), k, repeats
+        self.lm = None
+
+    def setup(self, ctx) -> None:
+        self.lm = get_model(self.model, ctx.device)
+
+    def __call__(self, ctx, kv: KV):
+        ids = torch.full((self.k,), int(kv.logits.argmax()))
+        for _ in range(self.repeats):
+            self.lm.score(kv.cache, ids, kv.logical_length, kv.layout)
+            self.lm.drop_last(kv.cache, self.k)
+        return {"tokens": Tokens([], None, {"k": self.k, "repeats": self.repeats,
+                                            "cache_entries": self.lm.cached_length(kv.cache),
+                                            "lean": self.lm.lean is not None,
+                                            "attn_implementation": self.lm.text_config._attn_implementation})}
