@@ -151,6 +151,7 @@ class Executor:
         self._waiting_workers: set[str] = set()  # workers whose call waits on backpressure (no CPU)
         self._closed = False
         self._started = False
+        self._runs = 0                    # runs started: process workers keep resident values for one
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -174,11 +175,11 @@ class Executor:
             for i in range(r.workers):
                 name = f"{r.name}[{i}]" if r.workers > 1 else r.name
                 if r.kind == "process":
-                    made.append(ProcessWorker(name, r.torch_threads, r.device))
+                    made.append(ProcessWorker(name, r.torch_threads, r.device, affinity=r.affinity))
                 elif r.kind == "stream":
                     made.append(StreamWorker(name, r.torch_threads, r.device, r.priority))
                 else:
-                    worker = ThreadWorker(name, r.torch_threads, r.device)
+                    worker = ThreadWorker(name, r.torch_threads, r.device, affinity=r.affinity)
                     if r.elastic:
                         worker.elastic = lambda me=worker: self._elastic_threads(me)
                     made.append(worker)
@@ -335,6 +336,11 @@ class Executor:
         self._blocked: dict[int, Channel] = {}  # call id -> channel its emit waits on
         self._waiting_workers.clear()
         self._request = request
+        self._runs += 1
+        for pool in self.workers.values():
+            for worker in pool:
+                if isinstance(worker, ProcessWorker):
+                    worker.run = self._runs       # resident values of earlier runs are dropped there
         self._start_run_stages(request)
         order = {n.name: n.rank for n in self.plan.nodes}
         bar = tqdm(desc=f"run {getattr(request, 'id', '')}".strip(), unit="call", leave=False,

@@ -5,6 +5,7 @@
     pools:
       cpu:    {kind: thread,  workers: 1, torch_threads: auto}
       decode: {kind: process, workers: 2, torch_threads: 1}
+      draft:  {kind: process, workers: 1, torch_threads: 1, affinity: [1]}   # pinned to core 1
     streams:
       target: {device: cuda:0, priority: 0}
 
@@ -36,6 +37,7 @@ class Resource:
     priority: int = 0
     note: str = ""
     fallback_from: str | None = None  # the CUDA device a stream asked for, when it runs on CPU
+    affinity: tuple[int, ...] | None = None  # the cores the pool's workers run on (None: any)
 
     @property
     def is_gpu(self) -> bool:
@@ -55,6 +57,20 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
+
+
+def _allowed_cores() -> set[int]:
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:
+        return set(range(os.cpu_count() or 1))
+
+
+def pin_to(cores: tuple[int, ...] | None) -> None:
+    """Run the calling thread (on Linux, a thread's affinity is its own), and the threads it
+    starts, on `cores` only; None leaves it where it may run."""
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(cores))
 
 
 def load_resources(cfg: Any, n_cuda: int | None = None) -> tuple[dict[str, Resource], int, bool]:
@@ -86,7 +102,16 @@ def load_resources(cfg: Any, n_cuda: int | None = None) -> tuple[dict[str, Resou
             problems.append(f"resource '{name}': torch_threads=elastic is for thread pools (a process keeps its "
                             f"count). Fix: resources.pools.{name}.torch_threads=auto")
             continue
-        out[name] = Resource(name, kind, workers, threads if threads in ("auto", "elastic") else int(threads))
+        affinity = pool.get("affinity")
+        if affinity is not None:
+            allowed = _allowed_cores()
+            affinity = tuple(int(c) for c in (affinity if isinstance(affinity, (list, tuple)) else [affinity]))
+            if not affinity or not set(affinity) <= allowed:
+                problems.append(f"resource '{name}': affinity={list(affinity)}, but this process may run on cores "
+                                f"{sorted(allowed)}. Fix: resources.pools.{name}.affinity=null, or cores from that list")
+                continue
+        out[name] = Resource(name, kind, workers, threads if threads in ("auto", "elastic") else int(threads),
+                             affinity=affinity)
 
     fallen: list[str] = []
     for name, stream in (cfg.get("streams") or {}).items():

@@ -36,6 +36,7 @@ class PlannedResource:
     priority: int
     note: str = ""
     elastic: bool = False        # torch_threads: elastic (see the module doc)
+    affinity: tuple[int, ...] | None = None   # the cores its workers are pinned to
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Plan:
         lines = [f"runner: {self.runner}   cores: {self.cores}", "", "resources:"]
         for r in self.resources:
             where = r.device if r.kind == "stream" else f"torch_threads={r.torch_threads}" + ("+elastic" if r.elastic else "")
+            where += f"   cores {','.join(map(str, r.affinity))}" if r.affinity else ""
             lines.append(f"  {r.name:<10} {r.kind:<8} workers={r.workers:<3} {where}"
                          + (f"   # {r.note}" if r.note else ""))
         lines += ["", "nodes (topological order):"]
@@ -153,7 +155,7 @@ def compile_plan(
     for r in used:
         threads = auto_threads if r.torch_threads in ("auto", "elastic") else int(r.torch_threads)
         planned_res.append(PlannedResource(r.name, r.kind, r.workers, threads, r.device, r.priority, r.note,
-                                           elastic=r.torch_threads == "elastic"))
+                                           elastic=r.torch_threads == "elastic", affinity=r.affinity))
     demand = sum(r.workers * r.torch_threads for r in planned_res if r.kind != "stream")
     if runner == "threaded" and demand > cores:
         warnings.append(f"{cpu_workers} CPU workers with {demand} torch threads in all on {cores} cores: "
@@ -174,6 +176,9 @@ def compile_plan(
         nodes.append(PlannedNode(name, f"{cls.__module__}.{cls.__qualname__}", node.on, worker, calls, rank[name],
                                  processes[name]))
 
+    problems = resident_problems(spec, resources, {n.name: n.worker for n in nodes})
+    if problems:
+        raise ConfigError(problems)
     channels = []
     for e in spec.edges:
         src_node, dst_node = spec.nodes[e.src], spec.nodes[e.dst]
@@ -192,3 +197,19 @@ def compile_plan(
     for w in warnings:
         log.warning(w)
     return Plan(runner, cores, planned_res, nodes, channels, warnings)
+
+
+def resident_problems(spec: GraphSpec, resources: dict[str, Resource], pinned: dict[str, int | None]) -> list[str]:
+    """A resident output (Out(resident=True)) made in a process pool never leaves its process: every
+    consumer must be pinned to the same process worker."""
+    problems = []
+    for e in spec.edges:
+        src, dst = spec.nodes[e.src], spec.nodes[e.dst]
+        if not src.out_ports[e.src_port].resident or resources[src.on].kind != "process":
+            continue
+        if dst.on != src.on or pinned.get(e.dst) != pinned.get(e.src):
+            problems.append(f"{e.src}.{e.src_port} stays in the process of '{src.on}' worker {pinned.get(e.src)} "
+                            f"(a resident output), but {e.dst} runs on '{dst.on}'"
+                            + (f" worker {pinned.get(e.dst)}" if dst.on == src.on else "")
+                            + f". Fix: graph.nodes.{e.dst}.on={src.on}, with resources.pools.{src.on}.workers=1")
+    return problems

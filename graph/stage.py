@@ -46,12 +46,16 @@ class In:
 @dataclass(frozen=True)
 class Out:
     """An output port. ``stream=True``: many items per run. ``tap=True``: a single item published
-    in the middle of a call (``ctx.emit``) while the call goes on."""
+    in the middle of a call (``ctx.emit``) while the call goes on. ``resident=True``: when the
+    stage runs in a process pool, the value stays in that process and its consumers, which must
+    run on the same process worker, get the object itself (a model's cache that later calls
+    extend in place); the parent only passes a handle (graph.workers.Resident)."""
 
     type: type
     stream: bool = False
     tap: bool = False
     doc: str = ""
+    resident: bool = False
 
 
 class Context(Protocol):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from graph.context import Cancelled, StageContext
+from graph.resources import pin_to
 from graph.spawn import SpawnWithoutMainContext
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,47 @@ class Job:
     record: Any = None             # gets t0/t1: the worker times the job, not the dispatcher
 
 
+@dataclass(frozen=True)
+class Resident:
+    """A handle to a value that stayed in the worker process that made it (Out(resident=True)):
+    jobs on that worker get the value itself; the value never crosses a process boundary, and
+    the process drops it when the next run starts."""
+
+    worker: str
+    run: int
+    key: int
+
+
+class ResidentTable:
+    """A process worker's resident values of the current run (child side)."""
+
+    def __init__(self, worker: str):
+        self.worker, self.run, self._values, self._next = worker, -1, {}, 0
+
+    def start(self, run: int) -> None:
+        if run != self.run:
+            self.run, self._values = run, {}
+
+    def keep(self, value: Any) -> Resident:
+        self._next += 1
+        self._values[self._next] = value
+        return Resident(self.worker, self.run, self._next)
+
+    def resolve(self, value: Any) -> Any:
+        if not isinstance(value, Resident):
+            return value
+        if value.worker != self.worker or value.run != self.run or value.key not in self._values:
+            where = f"worker {value.worker}, run {value.run}"
+            raise RuntimeError(f"a resident value made in {where} reached worker {self.worker}, run {self.run}: "
+                               "resident outputs are only for consumers on the worker that made them")
+        return self._values[value.key]
+
+
+def _resident_ports(stage: Any) -> set[str]:
+    outputs = getattr(type(stage), "outputs", {}) or {}
+    return {port for port, out in outputs.items() if getattr(out, "resident", False)}
+
+
 class RemoteError(Exception):
     """An exception raised inside a worker process, carried back as text."""
 
@@ -131,8 +173,8 @@ class Worker:
     """Base: a thread that takes jobs from a queue and runs `execute` on each."""
 
     def __init__(self, name: str, torch_threads: int, device: str = "cpu",
-                 elastic: Callable[[], int] | None = None):
-        self.name, self.torch_threads, self.device = name, torch_threads, device
+                 elastic: Callable[[], int] | None = None, affinity: tuple[int, ...] | None = None):
+        self.name, self.torch_threads, self.device, self.affinity = name, torch_threads, device, affinity
         # torch_threads: elastic — asked before each call how many threads to use now
         self.elastic, self._threads_now = elastic, torch_threads
         self.stages: dict[str, Any] = {}
@@ -152,6 +194,7 @@ class Worker:
     def _thread_init(self) -> None:
         import torch
 
+        pin_to(self.affinity)       # before torch starts this thread's OpenMP team: it inherits the cores
         with _TORCH_INIT:  # one thread at a time into the OpenMP/MKL thread settings
             torch.set_num_threads(self.torch_threads)
 
@@ -341,17 +384,22 @@ def _die_with_parent() -> None:
         pass
 
 
-def _child_main(conn, torch_threads: int, device: str) -> None:
+def _child_main(conn, torch_threads: int, device: str, name: str = "", affinity: tuple[int, ...] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C and shuts us down
     _die_with_parent()
+    pin_to(affinity)
     import torch
 
     torch.set_num_threads(torch_threads)
     stages: dict[str, Any] = {}
     cancelled = False
+    residents = ResidentTable(name)
+    resident_ports: set[str] = set()       # of the stage whose job runs now
 
     def emit(port, item):
         nonlocal cancelled
+        if port in resident_ports:
+            item = residents.keep(item)
         _send(conn, ("emit", port, item))
         if _recv(conn)[0] == "cancel":
             cancelled = True
@@ -369,15 +417,20 @@ def _child_main(conn, torch_threads: int, device: str) -> None:
         kind = msg[0]
         if kind == "exit":
             return
-        _, phase, node, item, kwargs, request, stage_cfg = msg
+        _, phase, node, item, kwargs, request, stage_cfg, run = msg
         cancelled = False
         try:
+            residents.start(run)
             if phase == "setup":
                 stages[node] = None
                 stages[node] = build_stage(stage_cfg)
+            resident_ports = _resident_ports(stages.get(node))
+            kwargs = {k: residents.resolve(v) for k, v in kwargs.items()}
             job = Job(node, phase, item, kwargs, request, on_done=None)  # type: ignore[arg-type]
             ctx = StageContext(node, item, torch.device(device), request, emit, end, lambda: cancelled)
             result = _run_phase(stages.get(node), job, ctx)
+            if isinstance(result, dict) and resident_ports:
+                result = {k: residents.keep(v) if k in resident_ports else v for k, v in result.items()}
             # perf_counter is CLOCK_MONOTONIC, one clock for every process: the parent can place these
             _send(conn, ("done", result, [(p.name, p.t0, p.t1) for p in ctx.parts]))
         except BaseException as e:
@@ -389,11 +442,12 @@ def _child_main(conn, torch_threads: int, device: str) -> None:
 class ProcessWorker(Worker):
     """A parent-side thread driving one spawned child process."""
 
-    def __init__(self, name: str, torch_threads: int, device: str = "cpu"):
-        super().__init__(name, torch_threads, device)
+    def __init__(self, name: str, torch_threads: int, device: str = "cpu", affinity: tuple[int, ...] | None = None):
+        super().__init__(name, torch_threads, device, affinity=affinity)
         ctx = SpawnWithoutMainContext()   # spawn, and an unguarded caller script is not re-run in the child
         self._conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_child_main, args=(child_conn, torch_threads, device),
+        self.run = 0                      # the executor's run number: resident values live for one run
+        self.process = ctx.Process(target=_child_main, args=(child_conn, torch_threads, device, name, affinity),
                                    name=f"reelflow-{name}", daemon=True)
         self._child_conn = child_conn
 
@@ -406,7 +460,7 @@ class ProcessWorker(Worker):
         pass  # torch threads are set inside the child
 
     def execute(self, job: Job) -> Any:
-        _send(self._conn, ("job", job.phase, job.node, job.item, job.kwargs, job.request, job.stage_cfg))
+        _send(self._conn, ("job", job.phase, job.node, job.item, job.kwargs, job.request, job.stage_cfg, self.run))
         while True:
             try:
                 msg = _recv(self._conn)

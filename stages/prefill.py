@@ -45,7 +45,7 @@ class Prefill(Stage):
 
     placement = "gpu"
     inputs = {"tokens": In(VisualTokens, stream=True), "request": In(Request)}
-    outputs = {"kv": Out(KV), "taps": Out(Taps, tap=True), "attention": Out(Taps, tap=True)}
+    outputs = {"kv": Out(KV, resident=True), "taps": Out(Taps, tap=True), "attention": Out(Taps, tap=True)}
 
     def __init__(self, model: dict, mode: str = "one_shot", max_new_tokens: int = 256, group_frames: int = 0,
                  prune: dict | None = None, measure_memory: bool = False, taps: list | None = None,
@@ -260,7 +260,7 @@ class SelectedPrefill(Prefill):
     shorter than the logical length and decoding continues at the logical positions."""
 
     inputs = {"tokens": In(VisualTokens, stream=True), "request": In(Request), "selection": In(Selection)}
-    outputs = {"kv": Out(KV)}
+    outputs = {"kv": Out(KV, resident=True)}
 
     def __init__(self, model: dict, max_new_tokens: int = 256, mode: str = "one_shot"):
         if mode != "one_shot":

@@ -56,12 +56,13 @@ class SlowSink(Stage):
 
 
 class ThreadProbe(Stage):
-    """Reports the torch thread count and process id it runs with."""
+    """Reports the torch thread count, process id and cores it runs with."""
 
     outputs = {"info": Out(dict)}
 
     def __call__(self, ctx):
-        return {"info": {"torch_threads": torch.get_num_threads(), "pid": os.getpid(), "device": str(ctx.device)}}
+        return {"info": {"torch_threads": torch.get_num_threads(), "pid": os.getpid(), "device": str(ctx.device),
+                         "cores": sorted(os.sched_getaffinity(0))}}
 
 
 class Silent(Stage):
@@ -175,3 +176,33 @@ class RunCounter(Stage):
 
     def finish(self, ctx):
         return {"count": {"items": self.n, "runs": self.runs + 1}}
+
+
+class Ledger(Stage):
+    """Makes a mutable record (a list with this process's id) once per run, kept resident when
+    run in a process pool."""
+
+    outputs = {"ledger": Out(list, resident=True)}
+
+    def __call__(self, ctx):
+        return {"ledger": [os.getpid()]}
+
+
+class Scribe(Stage):
+    """Appends each streamed item to the resident ledger (in place) and reports the ledger, its
+    process and the object's identity at the end: all calls must have written the same object."""
+
+    inputs = {"ledger": In(list), "item": In(object, stream=True)}
+    outputs = {"summary": Out(dict)}
+
+    def __init__(self):
+        self.seen: list = []
+
+    def __call__(self, ctx, ledger, item):
+        ledger.append(int(item.index) if hasattr(item, "index") else item)
+        self.seen.append(id(ledger))
+        self.ledger = ledger
+
+    def finish(self, ctx):
+        seen, self.seen = self.seen, []
+        return {"summary": {"ledger": list(self.ledger), "pid": os.getpid(), "objects": len(set(seen))}}

@@ -259,9 +259,73 @@ def test_elastic_torch_threads_take_the_cores_other_workers_leave_idle():
     assert seen[0] == 1 and seen[-1] == 2, seen      # item 0 while src sleeps; item 2 after it returned
 
 
+def test_pools_run_on_the_cores_they_are_pinned_to(no_leftovers):
+    """affinity pins a pool's threads (a thread's affinity is its own) and processes; the main
+    thread keeps all of its cores."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    last = cores[-1]
+    pools = {"cores": len(cores), "pools": {"cpu": {"kind": "thread", "torch_threads": 1, "affinity": [last]},
+                                            "decode": {"kind": "process", "workers": 1, "torch_threads": 1,
+                                                       "affinity": [cores[0]]},
+                                            "target": {"kind": "thread", "torch_threads": 1}}}
+    nodes = {"a": node(f"{H}.ThreadProbe", "cpu"), "b": node(f"{H}.ThreadProbe", "decode"),
+             "c": node(f"{H}.ThreadProbe", "target")}
+    result, plan = run_once(nodes, resources=pools)
+    assert result.outputs["a.info"]["cores"] == [last]
+    assert result.outputs["b.info"]["cores"] == [cores[0]]
+    assert result.outputs["c.info"]["cores"] == cores
+    assert sorted(os.sched_getaffinity(0)) == cores
+    assert f"cores {last}" in plan.to_text()
+
+
+def test_affinity_outside_the_allowed_cores_is_a_config_error():
+    from graph.resources import load_resources
+    from graph.spec import ConfigError
+
+    with pytest.raises(ConfigError, match=r"affinity=\[4096\].*Fix: resources.pools.draft.affinity=null"):
+        load_resources({"cores": 2, "pools": {"draft": {"kind": "thread", "affinity": [4096]}}})
+
+
 def test_elastic_threads_are_refused_on_a_process_pool():
     from graph.resources import load_resources
     from graph.spec import ConfigError
 
     with pytest.raises(ConfigError, match="elastic is for thread pools"):
         load_resources({"cores": 2, "pools": {"decode": {"kind": "process", "torch_threads": "elastic"}}})
+
+
+# ------------------------------------------------------------------ resident values
+
+RESIDENT_POOLS = {"cores": 2, "pools": {"cpu": {"kind": "thread", "workers": 1, "torch_threads": 1},
+                                        "proc": {"kind": "process", "workers": 1, "torch_threads": 1},
+                                        "target": {"kind": "thread", "workers": 1, "torch_threads": 1}}}
+
+
+def resident_nodes(scribe_on: str = "proc") -> dict:
+    return {"src": node(f"{P}.Producer", items=5, iters=1, size=16),
+            "ledger": node(f"{H}.Ledger", "proc"),
+            "scribe": node(f"{H}.Scribe", scribe_on, {"ledger": "ledger.ledger", "item": "src.item"})}
+
+
+def test_a_resident_value_stays_in_its_process_and_is_extended_in_place(no_leftovers):
+    """Every call of the consumer gets the very object its producer made in the worker process
+    (not a copy per call, as other values are), and the next run starts from a new one."""
+    import os
+
+    spec, plan = make(resident_nodes(), RESIDENT_POOLS)
+    with Executor(spec, plan, progress=False) as ex:
+        for _ in range(2):
+            result = ex.run(Request())
+            summary = result.outputs["scribe.summary"]
+            assert summary["pid"] != os.getpid()
+            assert summary["ledger"] == [summary["pid"], 0, 1, 2, 3, 4]     # five in-place appends, this run's only
+            assert summary["objects"] == 1
+
+
+def test_a_resident_output_read_outside_its_process_is_a_config_error():
+    from graph.spec import ConfigError
+
+    with pytest.raises(ConfigError, match="resident output.*Fix: graph.nodes.scribe.on=proc"):
+        make(resident_nodes(scribe_on="target"), RESIDENT_POOLS)
