@@ -69,6 +69,7 @@ class Deadlock(Exception):
 class Envelope:
     item: Any
     origin: tuple[int, float] | None  # (producing call id, busy seconds into that call) for ideal-time
+    ready: Any = None                 # the producer's ReadyMark: what a consumer waits on before reading (GPU work in flight)
 
 
 class Channel:
@@ -127,6 +128,7 @@ class _NodeRun:
     pending_const: set[str]
     consts: dict = field(default_factory=dict)
     const_deps: list = field(default_factory=list)
+    const_ready: list = field(default_factory=list)     # ready marks of the constant inputs
     calls: int = 0
     running: bool = False
     done: bool = False
@@ -414,6 +416,8 @@ class Executor:
                 st.consts[port] = env.item
                 if env.origin:
                     st.const_deps.append(env.origin)
+                if env.ready is not None:
+                    st.const_ready.append(env.ready)
                 st.pending_const.discard(port)
                 self.cv.notify_all()
             elif ch.closed:
@@ -424,23 +428,27 @@ class Executor:
         if st.pending_const:
             return None
         if not st.stream_ports:
-            return ("call", dict(st.consts), list(st.const_deps)) if st.calls == 0 else ("finish", {}, [])
+            return (("call", dict(st.consts), list(st.const_deps), list(st.const_ready)) if st.calls == 0
+                    else ("finish", {}, [], []))
         heads = [self._channels[(name, p)] for p in st.stream_ports]
         if all(ch.items for ch in heads):
-            kwargs, deps = dict(st.consts), list(st.const_deps) if st.calls == 0 else []
+            first = st.calls == 0
+            kwargs, deps, ready = dict(st.consts), list(st.const_deps) if first else [], list(st.const_ready) if first else []
             for port, ch in zip(st.stream_ports, heads):
                 env = ch.items.popleft()
                 kwargs[port] = env.item
                 if env.origin:
                     deps.append(env.origin)
+                if env.ready is not None:
+                    ready.append(env.ready)
             self.cv.notify_all()  # room in the channels: wake blocked producers
-            return "call", kwargs, deps
+            return "call", kwargs, deps, ready
         if any(ch.closed and not ch.items for ch in heads):
-            return "finish", {}, []
+            return "finish", {}, [], []
         return None
 
-    def _start(self, name: str, job_spec: tuple[str, dict, list], worker: Worker) -> None:
-        phase, kwargs, deps = job_spec
+    def _start(self, name: str, job_spec: tuple[str, dict, list, list], worker: Worker) -> None:
+        phase, kwargs, deps, ready = job_spec
         st = self._state[name]
         if phase == "finish" and self.spec.nodes[name].stage_cls.finish is Stage.finish:
             self._finish_node(name)  # nothing to flush: skip the round trip
@@ -454,7 +462,7 @@ class Executor:
                   on_done=lambda j, r, e, rec=rec: self._on_done(rec, r, e),
                   emit=lambda port, x, rec=rec: self._emit(rec, port, x),
                   end=lambda port, rec=rec: self._end(rec.node, port),
-                  cancelled=lambda: self._failure is not None, record=rec)
+                  cancelled=lambda: self._failure is not None, record=rec, wait_for=ready)
         if isinstance(worker, InlineWorker):
             self.cv.release()  # the inline job emits, which takes the lock
             try:
@@ -508,17 +516,22 @@ class Executor:
     def _emit(self, rec: CallRecord, port: str, item: Any, returned: bool = False) -> None:
         """Hand `item` to every consumer of `port`. From inside a call (ctx.emit) the time spent
         here is the executor's, not the stage's; a call's returned outputs (`returned`, lock held)
-        are published after the call's span ended."""
+        are published after the call's span ended. An item emitted in the middle of a call (a tap)
+        may still be being computed on the producer's device: it travels with the producer
+        worker's ready mark (Worker.mark_ready), which the consumer's worker waits on before the
+        call that reads it (Worker.await_ready); returned outputs are complete (the worker
+        finished the job)."""
         if returned:
             return self._emit_locked(rec, port, item, offset=rec.busy)
         t_enter = time.perf_counter()
+        ready = self._worker_of(rec).mark_ready()     # on the producer's thread, inside its stream
         try:
             with self.cv:
-                self._emit_locked(rec, port, item, offset=t_enter - rec.t0 - rec.engine)
+                self._emit_locked(rec, port, item, offset=t_enter - rec.t0 - rec.engine, ready=ready)
         finally:
             rec.engine += time.perf_counter() - t_enter
 
-    def _emit_locked(self, rec: CallRecord, port: str, item: Any, offset: float) -> None:
+    def _emit_locked(self, rec: CallRecord, port: str, item: Any, offset: float, ready: Any = None) -> None:
         name = rec.node
         outs = self.spec.nodes[name].out_ports
         if port not in outs:
@@ -545,7 +558,7 @@ class Executor:
                 rec.blocked += time.perf_counter() - t_wait
                 if self._failure is not None:
                     raise Cancelled("run cancelled")
-            ch.items.append(Envelope(item, origin))
+            ch.items.append(Envelope(item, origin, ready))
         st.emitted[port] = st.emitted.get(port, 0) + 1
         key = f"{name}.{port}"
         now = time.perf_counter()  # when the item was actually handed over (after any backpressure)

@@ -2,7 +2,9 @@
 
 - ThreadWorker: a thread with its own torch thread count (torch.set_num_threads is per thread).
 - StreamWorker: a ThreadWorker whose jobs run inside a CUDA stream; it synchronises the stream
-  once per job, so timings are real and items are ready when handed to another stream.
+  once per job, so timings are real and returned items are complete. An item emitted mid-job (a
+  tap) carries a CUDA event recorded on the producer's stream (StreamMark); the consumer's
+  stream waits on it (a host consumer synchronises on it) before the job that reads it.
 - ProcessWorker: a spawned child process holding its stages; the parent-side thread forwards
   emits (with an acknowledgement, so backpressure reaches the child) and waits for the result.
 - InlineWorker: runs a job to completion while the caller waits (the sequential runner), on the
@@ -20,7 +22,7 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from graph.context import Cancelled, StageContext
@@ -85,6 +87,7 @@ class Job:
     cancelled: Callable[[], bool] = lambda: False
     stage_cfg: dict | None = None  # setup of a process-pool stage: how to build it
     record: Any = None             # gets t0/t1: the worker times the job, not the dispatcher
+    wait_for: list = field(default_factory=list)   # ReadyMarks of the inputs: awaited before the job runs
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,25 @@ class ResidentTable:
 def _resident_ports(stage: Any) -> set[str]:
     outputs = getattr(type(stage), "outputs", {}) or {}
     return {port for port, out in outputs.items() if getattr(out, "resident", False)}
+
+
+class StreamMark:
+    """A ReadyMark: a CUDA event recorded on the producer's stream right after the work that made
+    an item (an item emitted mid-call may still be being computed when it is handed over). A
+    consumer on another stream makes its stream wait for it (no host wait); a consumer on the
+    host waits for it before reading."""
+
+    def __init__(self, stream):
+        import torch
+
+        self.event = torch.cuda.Event()
+        self.event.record(stream)
+
+    def wait_on_stream(self, stream) -> None:
+        stream.wait_event(self.event)
+
+    def wait_on_host(self) -> None:
+        self.event.synchronize()
 
 
 class RemoteError(Exception):
@@ -206,7 +228,21 @@ class Worker:
                 return
             self._timed(job)
 
+    # -------------------------------------------------------------- readiness of items
+
+    def mark_ready(self) -> Any:
+        """What a consumer must wait on before reading an item this worker emits now (called on
+        the worker's own thread, mid-job): None on the host, where an emitted item is complete."""
+        return None
+
+    def await_ready(self, marks: list) -> None:
+        """Before a job: wait until the items it reads are complete (host side)."""
+        for mark in marks:
+            mark.wait_on_host()
+
     def _timed(self, job: Job) -> None:
+        if job.wait_for:      # outside the job's span: waiting for the producer is not this stage's time
+            self.await_ready(job.wait_for)
         if self.elastic is not None and job.phase == "call":
             threads = self.elastic()
             if threads != self._threads_now:
@@ -281,6 +317,13 @@ class StreamWorker(Worker):
 
     def _device_sync(self) -> Callable[[], None] | None:
         return self._stream.synchronize
+
+    def mark_ready(self) -> StreamMark:
+        return StreamMark(self._stream)
+
+    def await_ready(self, marks: list) -> None:
+        for mark in marks:   # queued on the device: this stream's next kernels run after the producer's
+            mark.wait_on_stream(self._stream)
 
 
 class SequentialThread:

@@ -329,3 +329,50 @@ def test_a_resident_output_read_outside_its_process_is_a_config_error():
 
     with pytest.raises(ConfigError, match="resident output.*Fix: graph.nodes.scribe.on=proc"):
         make(resident_nodes(scribe_on="target"), RESIDENT_POOLS)
+
+
+# ------------------------------------------------------------------ readiness across devices
+
+def test_items_emitted_mid_call_carry_the_producers_ready_mark_to_their_consumer(monkeypatch):
+    """The ordering the GPU path relies on, shown with host stand-ins: every item a stage emits
+    mid-call gets a mark made on the producer's thread at the moment of the emit (on a CUDA stream:
+    an event recorded after the work that made the item), and the consumer's worker waits on
+    exactly that mark before the call that reads the item starts; returned outputs need none."""
+    from graph.workers import ThreadWorker
+
+    log = []
+
+    class Mark:
+        def __init__(self, worker, n):
+            self.worker, self.n, self.thread = worker, n, threading.current_thread().name
+
+        def wait_on_host(self):
+            pass
+
+    made = {}
+
+    def mark_ready(self):
+        made[self.name] = made.get(self.name, 0) + 1
+        mark = Mark(self.name, made[self.name])
+        log.append(("mark", self.name, mark.n, time.perf_counter()))
+        return mark
+
+    def await_ready(self, marks):
+        for m in marks:
+            log.append(("await", self.name, (m.worker, m.n), time.perf_counter()))
+
+    monkeypatch.setattr(ThreadWorker, "mark_ready", mark_ready)
+    monkeypatch.setattr(ThreadWorker, "await_ready", await_ready)
+    nodes = {"src": node(f"{P}.Producer", items=4, iters=1, size=16),
+             "sink": node(f"{P}.Consumer", "target", {"item": "src.item"}, iters=1, size=16)}
+    result, _ = run_once(nodes)
+    marks = [e for e in log if e[0] == "mark"]
+    awaits = [e for e in log if e[0] == "await"]
+    assert [(w, n) for _, w, n, _ in marks] == [("cpu", i) for i in range(1, 5)]     # one per emitted item
+    assert [m for _, _, m, _ in awaits] == [("cpu", i) for i in range(1, 5)]         # each awaited once, in order
+    assert all(w == "target" for _, w, _, _ in awaits)                               # by the consumer's worker
+    sink_calls = calls_of(result, "sink")
+    for (_, _, _, t_mark), (_, _, _, t_await), call in zip(marks, awaits, sink_calls):
+        assert t_mark <= t_await <= call.t0         # made at the emit, awaited before the reading call
+    # the consumer's summary is returned at the end of its last call: complete, so it carries no mark
+    assert made == {"cpu": 4}
