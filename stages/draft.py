@@ -10,6 +10,12 @@ speculative decoding; of the pruned video for ParallelVLM). Each call drafts one
                                  of it makes the round in flight stale (the verifier answers it
                                  without work) and the draft restarts from the committed tokens
 
+Pre-verify (ParallelVLM App. B, Alg. 1; `pre_verify: true`): the first round, and every round
+drafted right after a rollback, is one token, so the target verifies it at once instead of
+idling while the draft restarts a whole window; the draft meanwhile drafts a full window on top
+of it (post-verify). A pre-verify round whose token is accepted leads into post-verify rounds; a
+rejected one into another pre-verify round. Proposals say which mode drafted them (meta "mode").
+
 The first round starts from the draft's own prefill logits (nothing is committed yet), so a draft
 whose prefill ends before the target's has its first window ready when the target's prefill ends
 (ParallelVLM's start-up tokens). On a verdict the draft rolls its cache back to the longest prefix it shares with the committed
@@ -40,7 +46,8 @@ class ModelDraft(Stage):
     above; start_window before the first verdict, at most max_window); temperature, top_k, top_p,
     seed: as the verifier's; vocab: the shared vocabulary size (0: the tokenizer's);
     max_new_tokens: no round drafts past it; target: the target's entry, whose tokenizer must be
-    the draft's (checked at setup: a clear error otherwise)."""
+    the draft's (checked at setup: a clear error otherwise); pre_verify: one-token rounds after
+    each rollback (see above; for a draft that runs ahead, prime 2)."""
 
     placement = "gpu"
     inputs = {"kv": In(KV), "verdict": In(Verdict, stream=True)}
@@ -48,7 +55,7 @@ class ModelDraft(Stage):
 
     def __init__(self, model: dict, window: int | str = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, vocab: int = 0, max_new_tokens: int = 256, target: dict | None = None,
-                 start_window: int = 4, max_window: int = 16):
+                 start_window: int = 4, max_window: int = 16, pre_verify: bool = False):
         self.auto = window == "auto"
         if self.auto:
             window = start_window
@@ -60,6 +67,7 @@ class ModelDraft(Stage):
         self.model, self.window, self.max_new_tokens = dict(model), window, max_new_tokens
         self.sampling, self.seed, self.vocab = Sampling(temperature, top_k, top_p), seed, vocab
         self.target = dict(target) if target else None
+        self.pre_verify = bool(pre_verify)
         self.lm = None
 
     def setup(self, ctx) -> None:
@@ -76,6 +84,8 @@ class ModelDraft(Stage):
         self.committed = 0                 # how many of `sequence` the target has committed
         self.in_cache = 0                  # how many of `sequence` the draft's cache holds
         self.round = 0
+        self.restarted = True              # the next round starts after a rollback (or is the first)
+        self.pre_rounds: set[int] = set()  # the rounds drafted in pre-verify mode
         self.rng = torch.Generator().manual_seed(self.seed + 2)
         if self.auto:
             self.window = self.start_window
@@ -88,23 +98,30 @@ class ModelDraft(Stage):
     def __call__(self, ctx, kv: KV, verdict: Verdict | None):
         if verdict is not None and not verdict.stale:
             self._apply(kv, verdict)
-            if self.auto and verdict.verify_s > 0 and self.tq[1]:
+            # γ follows the verification of a whole window: a pre-verify round's one token is not one
+            if self.auto and verdict.verify_s > 0 and self.tq[1] and verdict.round not in self.pre_rounds:
                 self.tp = [self.tp[0] + verdict.verify_s, self.tp[1] + 1]
                 self.window = auto_window(self.tp[0] / self.tp[1], self.tq[0] / self.tq[1], self.max_window)
         if len(self.sequence) >= self.max_new_tokens:
             return {}                     # everything left is in flight already
         base = len(self.sequence)
-        tokens, probs = self._draft(ctx, kv, min(self.window, self.max_new_tokens - base))
+        after = self.sequence[-1] if self.sequence else -1
+        pre = self.pre_verify and self.restarted
+        self.restarted = False
+        k = 1 if pre else self.window
+        tokens, probs = self._draft(ctx, kv, min(k, self.max_new_tokens - base))
         self.sequence += tokens
         self.round += 1
-        meta = {"window": self.window}
+        if pre:
+            self.pre_rounds.add(self.round)
+        meta = {"window": k, "mode": "pre" if pre else "post"}
         if self.tq[1]:
             meta["tq_s"] = self.tq[0] / self.tq[1]
         if self.round == 1:      # what the draft works from, for the run's metrics
             meta |= {"draft_model": self.lm.name, "window_setting": "auto" if self.auto else self.window,
                      "draft_prefill": kv.prefill}
         ctx.emit("proposal", Proposal(self.round, base, torch.tensor(tokens), torch.stack(probs) if probs else None,
-                                      meta))
+                                      meta, after))
         return {}
 
     def _apply(self, kv: KV, verdict: Verdict) -> None:
@@ -117,6 +134,7 @@ class ModelDraft(Stage):
         if self.sequence[:len(agreed)] == agreed:
             return
         self.sequence = agreed
+        self.restarted = True
         keep = min(self.in_cache, start + verdict.accepted)
         self.lm.drop_last(kv.cache, self.in_cache - keep)
         self.in_cache = keep

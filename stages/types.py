@@ -106,13 +106,15 @@ class Selection:
 @dataclass(frozen=True)
 class Proposal:
     """A draft's block of tokens continuing the sequence at ``base`` (its assumed committed
-    length, so a verifier can tell a proposal made on a rejected prefix)."""
+    length) after token ``after`` (what it assumed at base − 1; -1: none), so a verifier can tell
+    a proposal made on a rejected prefix."""
 
     round: int
     base: int
     tokens: Any          # int64 [k]
     probs: Any = None    # float [k, vocab] when sampling
     meta: dict = field(default_factory=dict)   # the first round's: what the draft prefilled
+    after: int = -1
 
 
 @dataclass(frozen=True)
@@ -133,8 +135,12 @@ class SpeculativeStats:
     """What a speculative run did, round by round; `metrics()` gives its figures for metrics.json.
 
     M (mean_accepted_length): tokens committed per verification round, the accepted draft tokens
-    and the target's own; acceptance: accepted over drafted tokens; Tp: the target's verification
-    of a round; Tq: the draft's forward for one drafted token (both timed by the engine)."""
+    and the target's own; tokens_per_rollback: the seed's (ParallelVLM's) M, tokens committed
+    between rollbacks: the rounds from one rejection (a round that commits fewer draft tokens than
+    it drafted) to the next, or to the end, each give one run of tokens, and this is their mean
+    length; acceptance: accepted over drafted tokens; Tp: the target's verification of a round; Tq:
+    the draft's forward for one drafted token (both timed by the engine); pre_verify_rounds: rounds
+    of one token drafted right after a rollback (ParallelVLM's pre-verify mode, stages/draft.py)."""
 
     committed: int                  # tokens committed in all
     accepted: tuple = ()            # per round: draft tokens accepted
@@ -143,6 +149,7 @@ class SpeculativeStats:
     verify_s: tuple = ()            # per round: Tp
     tq_s: float | None = None       # the draft's mean time per drafted token
     stale_proposals: int = 0        # rounds drafted ahead on a prefix the target did not commit
+    pre_verify_rounds: int = 0      # one-token rounds right after a rollback (pre-verify)
 
     @property
     def rounds(self) -> int:
@@ -154,10 +161,18 @@ class SpeculativeStats:
         return [round(sum(a > i for a in self.accepted) / max(1, sum(d > i for d in self.drafted)), 4)
                 for i in range(k_max)]
 
+    def runs_between_rollbacks(self) -> int:
+        """Rounds with a rejection, plus a last run that ended without one (EOS, the token budget)."""
+        rejections = [a < d for a, d in zip(self.accepted, self.drafted)]
+        return sum(rejections) + (1 if rejections and not rejections[-1] else 0)
+
     def metrics(self) -> dict:
         rounds = self.rounds
+        runs = self.runs_between_rollbacks()
         return {"rounds": rounds, "stale_proposals": self.stale_proposals,
+                "pre_verify_rounds": self.pre_verify_rounds,
                 "mean_accepted_length": round(self.committed / rounds, 4) if rounds else None,
+                "tokens_per_rollback": round(self.committed / runs, 4) if runs else None,
                 "acceptance_rate": round(sum(self.accepted) / max(1, sum(self.drafted)), 4),
                 "per_position_acceptance": self.per_position_acceptance(),
                 "window_mean": round(sum(self.windows) / len(self.windows), 3) if self.windows else None,

@@ -112,6 +112,7 @@ class Verifier(Stage):
         self.verify_s: list[float] = []        # per round: the forward and the rule (Tp)
         self.windows: list[int] = []           # per round: the γ the draft used
         self.tq_s: float | None = None         # the draft's own measure of one drafted token (Tq)
+        self.pre_verify = 0                    # rounds the draft marked as pre-verify
 
     def start_run(self, ctx) -> None:
         self._reset()
@@ -125,8 +126,13 @@ class Verifier(Stage):
         draft, q = proposal.tokens.reshape(-1), proposal.probs
         # A round drafted ahead starts where the draft assumed the last round would end; when the
         # target's own token landed there and equals the draft's, the rest of the round is valid.
+        # A round drafted on a token the target has since replaced (the last of a window rejected)
+        # is stale too: its tokens continue another sequence.
         overlap = len(self.committed) - proposal.base
-        if overlap < 0 or overlap > draft.shape[0] or draft[:overlap].tolist() != self.committed[proposal.base:]:
+        replaced = (0 < proposal.base <= len(self.committed) and proposal.after >= 0
+                    and self.committed[proposal.base - 1] != proposal.after)
+        if (replaced or overlap < 0 or overlap > draft.shape[0]
+                or draft[:overlap].tolist() != self.committed[proposal.base:]):
             self.stale += 1
             ctx.emit("verdict", Verdict(proposal.round, 0, -1, len(self.committed), stale=True))
             return {}
@@ -153,6 +159,7 @@ class Verifier(Stage):
         self.windows.append(proposal.meta.get("window", int(draft.shape[0])))
         if "tq_s" in proposal.meta:
             self.tq_s = proposal.meta["tq_s"]
+        self.pre_verify += proposal.meta.get("mode") == "pre"
         before = len(self.committed)
         self.committed, self.done = commit(self.committed, draft[:accepted].tolist(), token, lm.eos_ids,
                                            self.max_new_tokens)
@@ -176,7 +183,7 @@ class Verifier(Stage):
         lm = self.lm
         ids = self.committed
         stats = SpeculativeStats(len(ids), tuple(self.accepted), tuple(self.drafted), tuple(self.windows),
-                                 tuple(self.verify_s), self.tq_s, self.stale)
+                                 tuple(self.verify_s), self.tq_s, self.stale, self.pre_verify)
         meta = {"model": lm.name, **self.info,
                 "stopped": "eos" if ids and ids[-1] in lm.eos_ids else "max_new_tokens"}
         out = Tokens(list(ids), lm.tokenizer.decode(ids, skip_special_tokens=True), meta, stats)

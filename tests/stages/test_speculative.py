@@ -36,7 +36,8 @@ def pair(request, tmp_path_factory):
     release_all()
 
 
-def sd_nodes(target: dict, draft: dict, *, window=3, prime=1, max_new_tokens=24, temperature=0.0, seed=0):
+def sd_nodes(target: dict, draft: dict, *, window=3, prime=1, max_new_tokens=24, temperature=0.0, seed=0,
+             pre_verify=False):
     sampling = {"temperature": temperature, "seed": seed}
     return {
         "source": node("stages.source.Source"),
@@ -54,7 +55,7 @@ def sd_nodes(target: dict, draft: dict, *, window=3, prime=1, max_new_tokens=24,
         "draft": node("stages.draft.ModelDraft", on="draft",
                       inputs={"kv": "draft_prefill.kv",
                               "verdict": {"from": "verify.verdict", "feedback": True, "prime": prime}},
-                      model=draft, window=window, max_new_tokens=max_new_tokens, **sampling),
+                      model=draft, window=window, max_new_tokens=max_new_tokens, pre_verify=pre_verify, **sampling),
         "verify": node("stages.verify.Verifier", on="target",
                        inputs={"kv": "prefill.kv", "proposal": "draft.proposal"},
                        model=target, max_new_tokens=max_new_tokens, **sampling),
@@ -97,6 +98,28 @@ def test_greedy_speculative_decoding_is_token_identical_to_generate(pair, window
     assert 0 <= meta["acceptance_rate"] < 0.9          # a random draft: rollbacks happened
     if prime == 2:
         assert meta["stale_proposals"] > 0              # rounds drafted ahead were voided
+
+
+@pytest.mark.parametrize("drafter", ["random", "the target"])
+def test_pre_verify_is_lossless_and_drafts_one_token_after_each_rollback(pair, drafter):
+    """ParallelVLM's pre-verify (App. B): the first round and each round drafted right after a
+    rollback are one token, verified at once; rounds drafted on a rejected token are voided, not
+    verified; the others draft whole windows. A random draft is rejected every round, so every
+    verified round is a pre-verify round; the target as its own draft goes on in whole windows
+    after its first. The output is the target's generate() either way."""
+    target, draft, video = pair
+    tokens = run_sd(sd_nodes(target, draft if drafter == "random" else dict(target), window=4, prime=2,
+                             pre_verify=True), video)
+    assert tokens.ids == reference_ids(target, video, PROMPT, 24)
+    stats = tokens.speculative
+    after_rejection = [True] + [a < d for a, d in zip(stats.accepted, stats.drafted)][:-1]
+    assert stats.pre_verify_rounds == sum(after_rejection)
+    assert [d == 1 for d in stats.drafted][:-1] == after_rejection[:-1]     # (the last round may be cut short)
+    if drafter == "random":
+        assert all(after_rejection) and stats.stale_proposals > 0
+    else:     # a round drafted ahead begins with the bonus token it foresaw: 3 of its 4 are verified
+        assert stats.drafted[0] == 1 and set(stats.drafted[1:-1]) == {3}
+        assert stats.metrics()["tokens_per_rollback"] == 24
 
 
 @pytest.mark.parametrize("prime", [1, 2])

@@ -12,6 +12,15 @@ def test_speculative_figures_from_rounds():
     assert m["acceptance_rate"] == round(5 / 12, 4)
     assert m["per_position_acceptance"] == [round(2 / 3, 4), round(1 / 3, 4), round(1 / 3, 4), round(1 / 3, 4)]
     assert m["tp_ms"] == 3.0 and m["tq_ms"] == 0.5 and m["window_last"] == 4 and m["stale_proposals"] == 1
+    # the seed's M: rounds 2 and 3 rejected, so the 8 tokens came in two runs between rollbacks
+    assert m["tokens_per_rollback"] == 4.0
+
+
+def test_tokens_between_rollbacks_count_a_last_run_without_one():
+    # accepted whole, rejected, accepted whole: runs end at the rejection and at the end
+    stats = SpeculativeStats(committed=13, accepted=(4, 2, 4), drafted=(4, 4, 4))
+    assert stats.runs_between_rollbacks() == 2 and stats.metrics()["tokens_per_rollback"] == 6.5
+    assert SpeculativeStats(committed=5, accepted=(4,), drafted=(4,)).metrics()["tokens_per_rollback"] == 5.0
 
 
 def test_tokens_details_join_meta_and_the_record():
