@@ -128,8 +128,9 @@ class ModelDraft(Stage):
         """The target verified the tokens from `start` on: it committed our first `accepted` of
         them, then its own token. What was drafted on exactly that stays; otherwise the tokens
         in flight are void and the cache goes back to the agreed prefix."""
-        start = verdict.length - verdict.accepted - 1
-        agreed = self.sequence[:start + verdict.accepted] + [verdict.token]
+        own = [verdict.token] if verdict.token >= 0 else []     # none: our next token is judged as a draft
+        start = verdict.length - verdict.accepted - len(own)
+        agreed = self.sequence[:start + verdict.accepted] + own
         self.committed = len(agreed)
         if self.sequence[:len(agreed)] == agreed:
             return

@@ -123,7 +123,7 @@ class Verdict:
 
     round: int
     accepted: int        # draft tokens accepted (0..k)
-    token: int           # the target's own next token (bonus or correction)
+    token: int           # the target's own next token (bonus or correction); -1: none (judge_ahead)
     length: int          # committed length after this verdict
     stale: bool = False  # the proposal was built on a prefix already rejected
     done: bool = False

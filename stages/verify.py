@@ -66,11 +66,12 @@ def speculative_verify(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
     return k, int(sample(p[k], generator))
 
 
-def commit(committed: list[int], accepted: list[int], next_token: int, eos_ids, max_new_tokens: int) -> tuple[list[int], bool]:
-    """Appends the accepted tokens and the target's next one, cut at the first EOS or at
-    max_new_tokens. Returns (the new committed list, done)."""
+def commit(committed: list[int], accepted: list[int], next_token: int | None, eos_ids,
+           max_new_tokens: int) -> tuple[list[int], bool]:
+    """Appends the accepted tokens and the target's next one (None: none), cut at the first EOS
+    or at max_new_tokens. Returns (the new committed list, done)."""
     out = list(committed)
-    for token in [*accepted, next_token]:
+    for token in [*accepted, *([] if next_token is None else [next_token])]:
         out.append(token)
         if token in eos_ids or len(out) >= max_new_tokens:
             return out, True
@@ -83,17 +84,24 @@ class Verifier(Stage):
     """The target's side of speculative decoding.
 
     model: the target entry; max_new_tokens; temperature (0: greedy), top_k, top_p, seed: the
-    sampling both sides share; vocab: the shared vocabulary size (0: the tokenizer's)."""
+    sampling both sides share; vocab: the shared vocabulary size (0: the tokenizer's);
+    judge_ahead: with temperature > 0, a round accepted whole commits no token of the target's
+    own: the first token of the next round, which a draft running ahead drafted on exactly that
+    assumption, is judged by the acceptance rule against the target's distribution at that
+    position (kept from this forward) instead of having to equal a token the target sampled.
+    Lossless: it is an ordinary draft token drawn from a known q. At temperature 0 the two are the
+    same rule (the draft's token must be the target's argmax), so nothing changes."""
 
     placement = "gpu"
     inputs = {"kv": In(KV), "proposal": In(Proposal, stream=True)}
     outputs = {"verdict": Out(Verdict, stream=True), "first": Out(Tokens, tap=True), "tokens": Out(Tokens)}
 
     def __init__(self, model: dict, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, vocab: int = 0):
+                 top_p: float = 1.0, seed: int = 0, vocab: int = 0, judge_ahead: bool = False):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
         self.model, self.max_new_tokens = dict(model), max_new_tokens
+        self.judge_ahead = bool(judge_ahead)
         self.sampling, self.seed, self.vocab = Sampling(temperature, top_k, top_p), seed, vocab
         self.lm = None
 
@@ -113,6 +121,8 @@ class Verifier(Stage):
         self.windows: list[int] = []           # per round: the γ the draft used
         self.tq_s: float | None = None         # the draft's own measure of one drafted token (Tq)
         self.pre_verify = 0                    # rounds the draft marked as pre-verify
+        self.ahead: torch.Tensor | None = None  # judge_ahead: the logits [V] after a round accepted whole
+        self.judged_ahead = 0                  # rounds accepted whole that left their next token to the draft
 
     def start_run(self, ctx) -> None:
         self._reset()
@@ -138,15 +148,20 @@ class Verifier(Stage):
             return {}
         draft, q = draft[overlap:], (q[overlap:] if q is not None else None)
         lm, layout = self.lm, kv.layout
+        vocab = self.vocab or len(lm.tokenizer)
         with ctx.timer("verify") as verify:    # the forward and the rule: Tp
             pending = torch.tensor(self.committed[self.in_cache:], dtype=torch.long)
             if pending.shape[0]:          # the last committed token(s) and the draft, in one forward
                 logits = lm.score(kv.cache, torch.cat([pending, draft]), kv.logical_length + self.in_cache, layout)
                 logits = logits[pending.shape[0] - 1:]                         # [k+1, V]: after each draft prefix
-            else:                         # the first round: the prefill's logits predict the first token
-                scored = lm.score(kv.cache, draft, kv.logical_length, layout) if draft.shape[0] else None
-                logits = kv.logits[None] if scored is None else torch.cat([kv.logits[None], scored])
-            vocab = self.vocab or len(lm.tokenizer)
+            else:     # the first round, or after a round accepted whole (judge_ahead): the logits
+                # kept from the forward before (the prefill's, or that round's last) predict its first token
+                before_draft = kv.logits if self.ahead is None else self.ahead
+                scored = (lm.score(kv.cache, draft, kv.logical_length + self.in_cache, layout)
+                          if draft.shape[0] else None)
+                logits = (before_draft[None, :vocab] if scored is None
+                          else torch.cat([before_draft[None, :vocab], scored[:, :vocab]]))
+            self.ahead = None
             logits = logits[:, :vocab]
             if self.sampling.greedy:
                 accepted, token = greedy_verify(draft, logits)
@@ -161,8 +176,14 @@ class Verifier(Stage):
             self.tq_s = proposal.meta["tq_s"]
         self.pre_verify += proposal.meta.get("mode") == "pre"
         before = len(self.committed)
-        self.committed, self.done = commit(self.committed, draft[:accepted].tolist(), token, lm.eos_ids,
-                                           self.max_new_tokens)
+        if self.judge_ahead and not self.sampling.greedy and accepted == draft.shape[0] > 0:
+            self.committed, self.done = commit(self.committed, draft.tolist(), None, lm.eos_ids, self.max_new_tokens)
+            if not self.done:     # (done: EOS or the budget came first, no token after it is needed)
+                token, self.ahead = -1, logits[-1]   # the next round's first token is judged against this row
+                self.judged_ahead += 1
+        else:
+            self.committed, self.done = commit(self.committed, draft[:accepted].tolist(), token, lm.eos_ids,
+                                               self.max_new_tokens)
         # the cache now holds committed[:in_cache] + pending + draft: keep what was committed
         cached = self.in_cache + pending.shape[0] + draft.shape[0]
         keep = min(before + accepted, len(self.committed))
@@ -186,6 +207,8 @@ class Verifier(Stage):
                                  tuple(self.verify_s), self.tq_s, self.stale, self.pre_verify)
         meta = {"model": lm.name, **self.info,
                 "stopped": "eos" if ids and ids[-1] in lm.eos_ids else "max_new_tokens"}
+        if self.judge_ahead:
+            meta["judged_ahead"] = self.judged_ahead
         out = Tokens(list(ids), lm.tokenizer.decode(ids, skip_special_tokens=True), meta, stats)
         self._reset()
         return {"tokens": out}

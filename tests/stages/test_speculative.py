@@ -37,7 +37,7 @@ def pair(request, tmp_path_factory):
 
 
 def sd_nodes(target: dict, draft: dict, *, window=3, prime=1, max_new_tokens=24, temperature=0.0, seed=0,
-             pre_verify=False):
+             pre_verify=False, judge_ahead=False):
     sampling = {"temperature": temperature, "seed": seed}
     return {
         "source": node("stages.source.Source"),
@@ -58,7 +58,7 @@ def sd_nodes(target: dict, draft: dict, *, window=3, prime=1, max_new_tokens=24,
                       model=draft, window=window, max_new_tokens=max_new_tokens, pre_verify=pre_verify, **sampling),
         "verify": node("stages.verify.Verifier", on="target",
                        inputs={"kv": "prefill.kv", "proposal": "draft.proposal"},
-                       model=target, max_new_tokens=max_new_tokens, **sampling),
+                       model=target, max_new_tokens=max_new_tokens, judge_ahead=judge_ahead, **sampling),
     }
 
 
@@ -167,10 +167,25 @@ def test_max_new_tokens_inside_an_accepted_block(pair, limit):
     assert tokens.ids == reference_ids(target, video, PROMPT, limit)
 
 
+def test_judge_ahead_leaves_the_target_no_token_after_a_round_accepted_whole(pair):
+    """judge_ahead at temperature 1 with the target as its own draft (every token accepted): no
+    round commits a token of the target's own, each next round's first token is judged by the
+    rule instead, so every round commits exactly what it drafted and nothing goes stale."""
+    target, _, video = pair
+    tokens = run_sd(sd_nodes(target, dict(target), window=3, prime=2, temperature=1.0, judge_ahead=True,
+                             max_new_tokens=20), video)
+    stats = tokens.speculative
+    assert len(tokens.ids) == 20 and stats.stale_proposals == 0
+    assert tokens.meta["judged_ahead"] == stats.rounds - 1        # all but the last, cut at the budget
+    assert sum(stats.accepted) == 20 and stats.accepted == stats.drafted
+
+
 @pytest.mark.slow
-def test_sampled_first_tokens_follow_the_target_distribution(pair):
+@pytest.mark.parametrize("prime, judge_ahead", [(1, False), (2, True)])
+def test_sampled_first_tokens_follow_the_target_distribution(pair, prime, judge_ahead):
     """Over 200 seeds, the first two tokens of speculative sampling (temperature 1) are distributed
-    as the target's own sampling's (chi-square on the most common values)."""
+    as the target's own sampling's (chi-square on the most common values); also with the draft
+    running ahead and the round in flight judged by the rule (judge_ahead)."""
     from collections import Counter
 
     from tests.stages.test_generate import ar_nodes, run_graph
@@ -178,7 +193,9 @@ def test_sampled_first_tokens_follow_the_target_distribution(pair):
     target, draft, video = pair
     sd, ar = Counter(), Counter()
     for seed in range(200):
-        sd[tuple(run_sd(sd_nodes(target, draft, window=3, max_new_tokens=2, temperature=1.0, seed=seed), video).ids)] += 1
+        nodes = sd_nodes(target, draft, window=1 if judge_ahead else 3, prime=prime, max_new_tokens=2,
+                         temperature=1.0, seed=seed, judge_ahead=judge_ahead)
+        sd[tuple(run_sd(nodes, video).ids)] += 1
         out = run_graph(ar_nodes(target, max_new_tokens=2, temperature=1.0, seed=seed), Request("v", video, PROMPT))
         ar[tuple(out.outputs["generate.tokens"].ids)] += 1
     keys = [k for k, _ in (sd + ar).most_common(6)]
