@@ -224,7 +224,12 @@ def step_losses(net, heads: dict, batch: dict, teacher=None, ground_layer: int |
         if uv:
             found = uv_token_scores(taught.hidden_states, is_video, answer_starts(teacher_batch["labels"]), uv_layers)
             scores = torch.where(by_uv[:, None], found, noise)
-        batch["attention_mask"] = batch["attention_mask"] * keep_mask(is_video, scores, fractions)
+        keep = keep_mask(is_video, scores, fractions)
+        batch["attention_mask"] = batch["attention_mask"] * keep
+        # the looking losses ask for attention on the kept tokens only (a query none of whose
+        # targets is kept has no target)
+        ground_mask = ground_mask & keep[:, None, :] if ground_mask is not None else None
+        chain_target = chain_target & keep[:, None, :] if chain_target is not None else None
     ground = ground_layer is not None and ground_mask is not None
     chain = chain_layer is not None and chain_target is not None
 

@@ -285,3 +285,32 @@ def test_a_dropout_step_distills_the_whole_video_teacher_into_the_student_that_s
     assert float(losses["loss"]) == pytest.approx(float(student.loss), rel=1e-4)
     assert float(losses["distill_loss"]) == pytest.approx(float(expected), rel=1e-4)
     assert int(mask.sum()) < int(batch["attention_mask"].sum())
+
+
+def test_with_dropout_the_looking_loss_asks_for_attention_on_kept_tokens_only():
+    from transformers import AutoModelForImageTextToText
+
+    from zoo.train.data import shifted_positions
+    from zoo.train.dropout import keep_mask
+    from zoo.train.losses import grounding_loss
+    from zoo.train.toy import step_losses
+
+    torch.manual_seed(0)
+    config = zoo_config("qwen-draft")
+    net = AutoModelForImageTextToText.from_config(config).eval()
+    net.set_attn_implementation("eager")
+    batches = iter(Batches("qwen-draft", 2, (6, 6), 0, visual_drop=1.0, visual_keep=(0.3, 0.3)))
+    batch = next(b for b in batches if bool(b["ground_mask"].any()))
+    with torch.no_grad():
+        losses = step_losses(net, {}, batch, None, ground_layer=1)
+        is_video = batch["input_ids"] == config.video_token_id
+        keep = keep_mask(is_video, batch["keep_noise"], batch["keep_fraction"])
+        plain = {k: v for k, v in batch.items() if k in ("input_ids", "pixel_values_videos", "video_grid_thw",
+                                                          "second_per_grid_ts", "mm_token_type_ids")}
+        positions = shifted_positions(net, plain | {"attention_mask": batch["attention_mask"]},
+                                      torch.zeros_like(batch["input_ids"]))
+        out = net(**plain, attention_mask=batch["attention_mask"] * keep, position_ids=positions,
+                  output_attentions=True)
+        expected = grounding_loss(out.attentions[1], batch["ground_mask"] & keep[:, None, :])
+    assert bool((batch["ground_mask"] & ~keep[:, None, :]).any())          # some targets were dropped
+    assert torch.isfinite(losses["ground_loss"]) and float(losses["ground_loss"]) == pytest.approx(float(expected), rel=1e-4)
