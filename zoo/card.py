@@ -34,9 +34,20 @@ def answer_budget(truth: world.Truth) -> int:
     return 8 * len(truth.events) + 16
 
 
-def agreement(draft, frames, fps, answer: list[int]) -> tuple[int, int]:
-    """(positions where the draft's greedy token equals the target's, positions)."""
-    cache, layout, logits = prefill_video(draft, frames, fps, PROMPT)
+def agreement(draft, frames, fps, answer: list[int], keep: torch.Tensor | None = None) -> tuple[int, int]:
+    """(positions where the draft's greedy token equals the target's, positions). `keep`: the
+    indices of the visual tokens the draft sees (uv_keep), each prefilled at its own position as
+    ParallelVLM's draft does (stages.prefill.SelectedPrefill); None: all of them."""
+    if keep is None:
+        cache, layout, logits = prefill_video(draft, frames, fps, PROMPT)
+    else:
+        layout = draft.layout(PROMPT, frames.shape[0], tuple(frames.shape[-2:]), fps)
+        embeds = draft.embed(layout.ids, draft.encode(frames), layout.video_start)
+        end = layout.video_start + layout.n_video
+        rows = torch.cat([torch.arange(layout.video_start), layout.video_start + keep.cpu(),
+                          torch.arange(end, layout.length)])
+        cache = draft.new_cache()
+        logits = draft.prefill(cache, embeds[rows], layout.positions[:, rows])
     if len(answer) > 1:
         rest = draft.score(cache, torch.tensor(answer[:-1]), layout.length, layout)
         logits = torch.cat([logits[None], rest])
@@ -44,6 +55,20 @@ def agreement(draft, frames, fps, answer: list[int]) -> tuple[int, int]:
         logits = logits[None]
     guess = logits.argmax(-1).tolist()
     return sum(int(g == a) for g, a in zip(guess, answer)), len(answer)
+
+
+def uv_keep(target, frames, fps, alpha: float, layers=(0, 1, 2)) -> torch.Tensor:
+    """The visual tokens UV-Prune keeps at pruning ratio `alpha` (stages.prune.UVPrune with its
+    defaults: variant as_written, the query as text), from `target`'s prefill of the whole video."""
+    from stages.prune import keep_fraction, uv_scores
+
+    layout = target.layout(PROMPT, frames.shape[0], tuple(frames.shape[-2:]), fps)
+    taps: dict[int, torch.Tensor] = {}
+    target.prefill(target.new_cache(), target.embed(layout.ids, target.encode(frames), layout.video_start),
+                   layout.positions, taps=layers, on_tap=lambda layer, h: taps.__setitem__(layer, h), logits="none")
+    scores = uv_scores(taps, layout.video, torch.arange(layout.video_start + layout.n_video, layout.length),
+                       sorted(layers))
+    return keep_fraction(scores, alpha)
 
 
 def frames_of(seed: int, seconds: float, fps: float) -> tuple[torch.Tensor, world.Truth]:

@@ -118,13 +118,42 @@ class ToyLosses:
     ground_margin: float = 1.0         # both looking losses ask for logit gaps this many times what suffices
     teacher: str | None = None         # a trained target whose distribution the model is distilled towards
     distill_weight: float = 1.0
+    label_weight: float = 1.0          # the cross-entropy on the reference answer (0: learn from the teacher alone)
 
     def problems(self) -> list[str]:
         out = [f"{name}={getattr(self, name)}: a weight, >= 0 (0: off)"
-               for name in ("aux_weight", "event_weight", "ground_weight", "chain_weight", "distill_weight")
-               if not getattr(self, name) >= 0]
+               for name in ("aux_weight", "event_weight", "ground_weight", "chain_weight", "distill_weight",
+                            "label_weight") if not getattr(self, name) >= 0]
         if not self.ground_margin >= 1.0:
             out.append(f"ground_margin={self.ground_margin}: >= 1 (1: the plain attention mass)")
+        if self.label_weight == 0 and not (self.teacher and self.distill_weight > 0):
+            out.append("label_weight=0 needs a teacher with distill_weight > 0: else nothing says what the answer is")
+        return out
+
+
+@dataclass(frozen=True)
+class ToyVisualDrop:
+    """Visual-token dropout (zoo.train.toy.visual_keep): for a share of the examples the model sees
+    only a subset of its visual tokens, each at its own position, as a draft does after
+    ParallelVLM's UV-Prune (stages.prefill.SelectedPrefill), so that pruning costs it little."""
+
+    visual_drop: float = 0.0                      # the share of examples that see a subset (0: off)
+    visual_keep: tuple[float, float] = (0.1, 1.0)  # the kept fraction, uniform in [low, high]
+    visual_uv_share: float = 0.0                  # of those, the share chosen by UV-Prune on the teacher (else random)
+    uv_layers: tuple[int, int] = (0, 2)           # the teacher's layers l_0 and L whose similarity change scores them
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("visual_drop", "visual_uv_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                out.append(f"{name}={getattr(self, name)}: a share of the examples, in [0, 1]")
+        low, high = self.visual_keep
+        if not 0 < low <= high <= 1:
+            out.append(f"visual_keep={list(self.visual_keep)}: [low, high] fractions of the visual tokens kept, "
+                       "0 < low <= high <= 1")
+        if not 0 <= self.uv_layers[0] < self.uv_layers[1]:
+            out.append(f"uv_layers={list(self.uv_layers)}: [l_0, L], the teacher's layers, 0 <= l_0 < L "
+                       "(0: the embeddings)")
         return out
 
 
@@ -139,6 +168,7 @@ class ToyConfig:
     eval_videos: int = 8
     data: ToyData = field(default_factory=ToyData)
     losses: ToyLosses = field(default_factory=ToyLosses)
+    drop: ToyVisualDrop = field(default_factory=ToyVisualDrop)
 
     def problems(self) -> list[str]:
         from zoo.shapes import SHAPES, zoo_config
@@ -167,6 +197,12 @@ class ToyConfig:
             elif found.model_type != config.model_type:
                 out.append(f"teacher={self.losses.teacher} is a {found.model_type} model; "
                            f"{self.model} is {config.model_type}")
+            elif self.drop.visual_drop > 0 and self.drop.visual_uv_share > 0 \
+                    and self.drop.uv_layers[1] > found.text_config.num_hidden_layers:
+                out.append(f"uv_layers={list(self.drop.uv_layers)}: the teacher has layers 0..{found.text_config.num_hidden_layers}")
+        elif self.drop.visual_drop > 0 and self.drop.visual_uv_share > 0:
+            out.append("visual_uv_share > 0 chooses tokens from a teacher's hidden states: set teacher "
+                       "(or visual_uv_share=0 for random subsets)")
         return out
 
 

@@ -190,12 +190,27 @@ class Batches(torch.utils.data.IterableDataset):
                  warm_seconds: tuple[float, float] | None = None, ramp_batches: int = 0, stretch: float = 1.0,
                  text_shift: int = 0, clause_gap: int = 0, ground_before: bool = False, codec: bool = False,
                  dense_gap: tuple[float, float] | None = None, dense_share: float = 0.5,
-                 fps_scale: tuple[int, int] | None = None, fps_share: float = 0.5):
+                 fps_scale: tuple[int, int] | None = None, fps_share: float = 0.5, visual_drop: float = 0.0,
+                 visual_keep: tuple[float, float] = (0.1, 1.0), visual_uv_share: float = 0.0):
         self.name, self.batch_size, self.seconds, self.seed = name, batch_size, seconds, seed
         self.warm_seconds, self.ramp_batches, self.stretch = warm_seconds or seconds, ramp_batches, stretch
         self.text_shift, self.clause_gap, self.ground_before = text_shift, clause_gap, ground_before
         self.codec, self.dense_gap, self.dense_share = codec, dense_gap, dense_share
         self.fps_scale, self.fps_share = fps_scale, fps_share
+        self.visual_drop, self.visual_keep, self.visual_uv_share = visual_drop, visual_keep, visual_uv_share
+
+    def drops(self, rng: np.random.Generator, width: int) -> dict:
+        """Per example, how much of its video the model sees (zoo.train.dropout): `keep_fraction`
+        1 (all) for all but a `visual_drop` share, whose fraction is uniform in `visual_keep`; of
+        those, a `visual_uv_share` are `keep_by_uv` (UV-Prune on the teacher picks the tokens),
+        the others keep the tokens with the highest `keep_noise` (a random subset). Why: a
+        ParallelVLM draft sees only the tokens UV-Prune keeps (90 % dropped at alpha 0.9)."""
+        n = self.batch_size
+        dropped = rng.random(n) < self.visual_drop
+        fractions = np.where(dropped, rng.uniform(self.visual_keep[0], self.visual_keep[1], n), 1.0)
+        by_uv = dropped & (rng.random(n) < self.visual_uv_share)
+        return {"keep_fraction": torch.tensor(fractions, dtype=torch.float32), "keep_by_uv": torch.from_numpy(by_uv),
+                "keep_noise": torch.from_numpy(rng.random((n, width)).astype(np.float32))}
 
     def frame_rate(self, rng: np.random.Generator, fps: float) -> float:
         """The batch's frame rate: the zoo's `fps`, or for a `fps_share` of the batches that times
@@ -270,5 +285,8 @@ class Batches(torch.utils.data.IterableDataset):
             seeds = TRAIN_SEED0 + rng.integers(0, 1 << 40, self.batch_size)
             rate = self.frame_rate(rng, fps)
             examples = [example(int(s), seconds, rate, rng, codec=self.codec, gap_s=g) for s, g in zip(seeds, self.gaps(rng))]
-            yield model_inputs(config, tokenizer, examples, with_answers=True,
-                               stretch=self.stretches(rng), moves=self.moves(rng), ground_before=self.ground_before)
+            inputs = model_inputs(config, tokenizer, examples, with_answers=True,
+                                  stretch=self.stretches(rng), moves=self.moves(rng), ground_before=self.ground_before)
+            if self.visual_drop > 0:
+                inputs.update(self.drops(rng, inputs["input_ids"].shape[1]))
+            yield inputs

@@ -14,7 +14,10 @@ part of the saved model:
   - `event_weight`: a probe at the middle layer, what changed on each token's cell (labels.EVENT_CLASSES);
   - `ground_weight`: one upper-layer head attends where the event being stated is shown;
   - `chain_weight`: one middle-layer head looks from event j's tokens at event j - 1's;
-  - `teacher`: KL(teacher ‖ model) on the answer (a draft distilled from its target).
+  - `teacher`: KL(teacher ‖ model) on the answer (a draft distilled from its target; the teacher
+    always sees the whole video), and `label_weight` the cross-entropy on the reference beside it;
+  - `visual_drop`: for a share of the examples the model sees only a subset of its visual tokens,
+    random or chosen by UV-Prune on the teacher, each at its own position (zoo.train.dropout).
 Check: `caption_f1`, the event F1 of greedy descriptions of held-out worlds, decoded by reelflow's
 own loop over the model adapter (models.decoding), as the Generate stage and the model card do.
 """
@@ -39,6 +42,7 @@ from zoo.train import config as settings
 from zoo.train import loop
 from zoo.train.config import ToyConfig
 from zoo.train.data import Batches, example, shifted_positions
+from zoo.train.dropout import answer_starts, keep_mask, uv_token_scores
 from zoo.train.labels import AUX, EVENT_CLASSES
 from zoo.train.losses import distill_loss, grounding_loss, probe_loss, rare_class_loss
 
@@ -105,21 +109,22 @@ class ToyRecipe(loop.Recipe):
     @property
     def weights(self) -> dict[str, float]:
         w = self.config.losses
-        return {"loss": 1.0, "aux_loss": w.aux_weight, "event_loss": w.event_weight, "distill_loss": w.distill_weight,
+        return {"loss": w.label_weight, "aux_loss": w.aux_weight, "event_loss": w.event_weight, "distill_loss": w.distill_weight,
                 "ground_loss": w.ground_weight, "chain_loss": w.chain_weight}
 
     def batches(self, steps: int, seed: int) -> Batches:
-        d = self.config.data
+        d, v = self.config.data, self.config.drop
         dense_gap = tuple(float(g) for g in d.dense_gap) if d.dense_gap is not None else None
         return Batches(self.config.model, d.batch_size, tuple(d.seconds), seed, tuple(d.warm_seconds),
                        int(d.ramp * steps), d.stretch, d.text_shift, d.clause_gap, d.ground_before, d.codec,
-                       dense_gap, d.dense_share, d.fps_scale, d.fps_share)
+                       dense_gap, d.dense_share, d.fps_scale, d.fps_share, v.visual_drop, tuple(v.visual_keep),
+                       v.visual_uv_share)
 
     # --------------------------------------------------------------------------------- step
 
     def loss(self, batch: dict) -> dict[str, torch.Tensor]:
         return step_losses(self.net, self.heads, batch, self.teacher, self.ground_layer, self.chain_layer,
-                           self.config.losses.ground_margin)
+                           self.config.losses.ground_margin, tuple(self.config.drop.uv_layers))
 
     # --------------------------------------------------------------------------------- check, save
 
@@ -132,7 +137,13 @@ class ToyRecipe(loop.Recipe):
         seeds = range(c.eval_videos)
         f1 = caption_f1(self.net.to(self.device).float(), self.tokenizer, seeds, c.eval_seconds)
         log.info("%s: caption F1 %.3f on %d held-out %g-s videos", c.model, f1, c.eval_videos, c.eval_seconds)
-        return {f"f1_at_{c.eval_seconds:g}s": round(f1, 4), "eval_seeds": list(seeds)}
+        out = {f"f1_at_{c.eval_seconds:g}s": round(f1, 4), "eval_seeds": list(seeds)}
+        if self.teacher is not None:     # a draft: how often it agrees with its teacher, whole and pruned
+            for alpha in (0.0, 0.9):
+                agree = teacher_agreement(self.net, self.teacher, self.tokenizer, seeds, c.eval_seconds, alpha)
+                log.info("%s: greedy agreement with the teacher %.3f at alpha %g (UV-Prune)", c.model, agree, alpha)
+                out[f"agreement_alpha{alpha:g}"] = round(agree, 4)
+        return out
 
     def default_out(self) -> Path:
         return WEIGHTS / self.config.model
@@ -147,6 +158,10 @@ class ToyRecipe(loop.Recipe):
         out = {"model": c.model, "parameters": self.n_params, "batch_size": d.batch_size,
                "aux_weight": w.aux_weight, "event_weight": w.event_weight, "stretch": d.stretch, "init": c.init,
                "teacher": w.teacher, "distill_weight": w.distill_weight if w.teacher else None,
+               "label_weight": w.label_weight, "visual_drop": c.drop.visual_drop,
+               "visual_keep": list(c.drop.visual_keep) if c.drop.visual_drop else None,
+               "visual_uv_share": c.drop.visual_uv_share if c.drop.visual_drop else None,
+               "uv_layers": list(c.drop.uv_layers) if c.drop.visual_drop and c.drop.visual_uv_share else None,
                "rope_theta": self.net.config.text_config.rope_parameters["rope_theta"],
                "ground_weight": w.ground_weight, "ground_layer": self.ground_layer,
                "chain_weight": w.chain_weight, "chain_layer": self.chain_layer, "text_shift": d.text_shift,
@@ -170,7 +185,8 @@ def _looking_layer(layer: int | None, default: int, weight: float) -> int | None
 
 
 def step_losses(net, heads: dict, batch: dict, teacher=None, ground_layer: int | None = None,
-                chain_layer: int | None = None, margin: float = 1.0) -> dict[str, torch.Tensor]:
+                chain_layer: int | None = None, margin: float = 1.0,
+                uv_layers: tuple[int, int] = (0, 2)) -> dict[str, torch.Tensor]:
     """{"loss": language-model loss, "aux_loss": cell-probe loss, "event_loss": event-probe loss,
     "distill_loss": KL(teacher ‖ model) on the answer's positions, "ground_loss", "chain_loss": the
     looking losses}, each but the first only with its head, labels, teacher or layer (`ground_layer`,
@@ -178,14 +194,42 @@ def step_losses(net, heads: dict, batch: dict, teacher=None, ground_layer: int |
     attention, which returns the weights; `margin`: see losses.grounding_loss). A batch's
     `position_offset` moves its text's positions. The video is encoded once; the cell probe
     reads each visual token as it enters the language model, the event probe reads it at the middle
-    layer; the same features go into the language model through `mm_encoder_outputs`."""
+    layer; the same features go into the language model through `mm_encoder_outputs`.
+    A batch's `keep_fraction` (zoo.train.data.Batches.drops) has the model see only part of some
+    rows' visual tokens, at their own positions (zoo.train.dropout), the highest of `keep_noise`
+    or, where `keep_by_uv`, of UV-Prune's scores from the teacher's hidden states at `uv_layers`;
+    the teacher always sees the whole video, as the target does at inference."""
     batch = dict(batch)
     cells, events = batch.pop("cell_labels", None), batch.pop("event_labels", None)
     ground_mask, chain_target = batch.pop("ground_mask", None), batch.pop("chain_mask", None)
     offset = batch.pop("position_offset", None)
+    fractions, by_uv, noise = batch.pop("keep_fraction", None), batch.pop("keep_by_uv", None), batch.pop("keep_noise", None)
     teacher_batch = dict(batch)            # the teacher sees the positions it would at inference
-    if offset is not None and bool(offset.any()):
-        batch["position_ids"] = shifted_positions(net, batch, offset)
+    dropping = fractions is not None and bool((fractions < 1).any())
+    uv = dropping and by_uv is not None and bool(by_uv.any())
+    if uv and teacher is None:
+        raise ValueError("UV-Prune-chosen dropout reads the teacher's hidden states: it needs a teacher")
+    taught = None
+    if teacher is not None:                # first: UV-Prune's choice needs its hidden states
+        with torch.no_grad():
+            taught = teacher(**{k: v for k, v in teacher_batch.items() if k != "labels"}, output_hidden_states=uv)
+    if (offset is not None and bool(offset.any())) or dropping:
+        # positions from the whole prompt: a dropped token leaves the mask, not the position table
+        add = offset if offset is not None else torch.zeros_like(batch["input_ids"])
+        batch["position_ids"] = shifted_positions(net, batch, add)
+    if dropping:
+        video_id = net.config.video_token_id if net.config.model_type == "qwen2_5_vl" else net.config.video_token_index
+        is_video = batch["input_ids"] == video_id
+        scores = noise
+        if uv:
+            found = uv_token_scores(taught.hidden_states, is_video, answer_starts(teacher_batch["labels"]), uv_layers)
+            scores = torch.where(by_uv[:, None], found, noise)
+        keep = keep_mask(is_video, scores, fractions)
+        batch["attention_mask"] = batch["attention_mask"] * keep
+        # the looking losses ask for attention on the kept tokens only (a query none of whose
+        # targets is kept has no target)
+        ground_mask = ground_mask & keep[:, None, :] if ground_mask is not None else None
+        chain_target = chain_target & keep[:, None, :] if chain_target is not None else None
     ground = ground_layer is not None and ground_mask is not None
     chain = chain_layer is not None and chain_target is not None
 
@@ -194,9 +238,7 @@ def step_losses(net, heads: dict, batch: dict, teacher=None, ground_layer: int |
                 | ({"chain_loss": grounding_loss(out.attentions[chain_layer], chain_target, margin)} if chain else {}))
 
     def distill(out) -> torch.Tensor:
-        with torch.no_grad():
-            target = teacher(**{k: v for k, v in teacher_batch.items() if k != "labels"}).logits
-        return distill_loss(out.logits, target, teacher_batch["labels"])
+        return distill_loss(out.logits, taught.logits, teacher_batch["labels"])
 
     if not heads or cells is None:
         out = net(**batch, output_attentions=ground or chain)
@@ -241,6 +283,26 @@ def caption_f1(model, tokenizer, seeds, seconds: float) -> float:
             answer = greedy_answer(lm, ex.frames, ex.fps, ex.prompt, answer_budget(ex.truth))
             f1.append(captions.score(tokenizer.decode(answer, skip_special_tokens=True), ex.truth)["f1"])
     return float(np.mean(f1))
+
+
+@torch.no_grad()
+def teacher_agreement(model, teacher, tokenizer, seeds, seconds: float, alpha: float = 0.0) -> float:
+    """zoo.card's greedy agreement of `model` (a draft in memory) with `teacher` along the
+    teacher's greedy descriptions of held-out worlds `seeds` of `seconds` s (rendered frames), the
+    draft seeing the visual tokens UV-Prune keeps at `alpha` (0: all). Both are left as found."""
+    from zoo.card import agreement, uv_keep
+
+    arch = model.config.model_type
+    hits = total = 0
+    with adapted(model, tokenizer, preprocessor_config(arch)) as draft, \
+            adapted(teacher, tokenizer, preprocessor_config(arch)) as target:
+        for seed in seeds:
+            ex = example(int(seed), seconds, FPS[arch])
+            answer = greedy_answer(target, ex.frames, ex.fps, ex.prompt, answer_budget(ex.truth))
+            keep = uv_keep(target, ex.frames, ex.fps, alpha) if alpha > 0 else None
+            a, b = agreement(draft, ex.frames, ex.fps, answer, keep)
+            hits, total = hits + a, total + b
+    return hits / max(total, 1)
 
 
 def preprocessor_config(arch: str) -> dict:

@@ -68,3 +68,28 @@ def test_the_model_is_required_and_checkpoints_must_fit_it():
 def test_an_unknown_precision_is_refused_before_any_work():
     with pytest.raises(ConfigError, match="bf16 .* or fp32"):
         train(model="qwen-draft", steps=1, precision="fp16", progress=False)
+
+
+def test_the_distillation_and_dropout_keys_are_checked_like_the_others():
+    loop, toy = parse({"model": "qwen-draft", "teacher": "zoo/weights/qwen-target", "label_weight": 0,
+                       "visual_drop": 0.5, "visual_keep": [0.1, 0.9], "visual_uv_share": 0.5, "uv_layers": [0, 2]})
+    assert toy.losses.label_weight == 0 and toy.drop.visual_keep == (0.1, 0.9) and toy.drop.uv_layers == (0, 2)
+    with pytest.raises(ConfigError) as e:
+        parse({"model": "qwen-draft", "visual_dorp": 0.5})
+    assert e.value.problems[0].startswith("train.visual_dorp: no such key; did you mean train.visual_drop")
+    with pytest.raises(ConfigError) as e:
+        parse({"model": "qwen-draft", "teacher": "zoo/weights/qwen-target", "visual_drop": 1.5,
+               "visual_keep": [0.0, 0.5], "visual_uv_share": -0.1, "uv_layers": [2, 1], "label_weight": -1})
+    problems = "\n".join(e.value.problems)
+    for expected in ("visual_drop=1.5: a share of the examples, in [0, 1]",
+                     "visual_uv_share=-0.1: a share", "visual_keep=[0.0, 0.5]: [low, high] fractions",
+                     "uv_layers=[2, 1]: [l_0, L]", "label_weight=-1: a weight, >= 0"):
+        assert expected in problems
+    with pytest.raises(ConfigError, match="visual_uv_share > 0 chooses tokens from a teacher's hidden states"):
+        parse({"model": "qwen-draft", "visual_drop": 0.5, "visual_uv_share": 0.5})
+    parse({"model": "qwen-draft", "visual_drop": 0.5})                    # random subsets need no teacher
+    with pytest.raises(ConfigError, match="label_weight=0 needs a teacher"):
+        parse({"model": "qwen-draft", "label_weight": 0})
+    with pytest.raises(ConfigError, match=r"uv_layers=\[0, 7\]: the teacher has layers 0..6"):
+        parse({"model": "qwen-draft", "teacher": "zoo/weights/qwen-target", "visual_drop": 0.5,
+               "visual_uv_share": 1.0, "uv_layers": [0, 7]})

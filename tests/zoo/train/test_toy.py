@@ -123,7 +123,8 @@ def test_the_training_step_makes_every_tensor_on_its_batchs_device():
         hidden = config.text_config.hidden_size
         heads = {"cells": torch.nn.Linear(hidden, sum(len(v) for v in AUX.values())),
                  "events": torch.nn.Linear(hidden, len(EVENT_CLASSES))}
-        batch = next(iter(Batches(name, 2, (3, 3), 0, text_shift=5, clause_gap=2)))
+        batches = iter(Batches(name, 2, (3, 3), 0, text_shift=5, clause_gap=2, visual_drop=1.0, visual_uv_share=0.5))
+        batch = next(b for b in batches if bool(b["keep_by_uv"].any()) and not bool(b["keep_by_uv"].all()))
         with Deviceless() as mode:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 losses = step_losses(net, heads, batch, teacher, 1, 1, 2.0)
@@ -238,3 +239,78 @@ def test_two_runs_with_one_seed_train_the_same_and_the_check_does_not_disturb_tr
     assert losses("a") == losses("b") and weights("a") == weights("b")
     assert "f1_at_10s" in runs["checked"]["history"][0]         # after step 1 (none after the last)
     assert losses("checked", ("s", "f1_at_10s")) == losses("a") and weights("checked") == weights("a")
+
+
+@pytest.mark.parametrize("name", ["qwen-draft", "llava-draft"])
+def test_a_dropout_step_distills_the_whole_video_teacher_into_the_student_that_sees_uv_prunes_share(name):
+    """With every row dropped to 20 % of its video, chosen by UV-Prune on the teacher: the student
+    runs with only those visual tokens in its mask, at the whole prompt's positions, and the
+    distillation term is KL(teacher ‖ student) with the teacher seeing the whole video."""
+    import math
+
+    from transformers import AutoModelForImageTextToText
+
+    from stages.prune import uv_scores
+    from zoo.train.data import shifted_positions
+    from zoo.train.toy import step_losses
+
+    torch.manual_seed(0)
+    config = zoo_config(name)
+    net, teacher = (AutoModelForImageTextToText.from_config(config).eval() for _ in range(2))
+    batch = next(iter(Batches(name, 2, (4, 4), 0, visual_drop=1.0, visual_keep=(0.2, 0.2), visual_uv_share=1.0)))
+    with torch.no_grad():
+        losses = step_losses(net, {}, batch, teacher, uv_layers=(0, 2))
+        plain = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "pixel_values_videos",
+                                                          "video_grid_thw", "second_per_grid_ts", "mm_token_type_ids")}
+        taught = teacher(**plain, output_hidden_states=True)
+        video_id = config.video_token_id if config.model_type == "qwen2_5_vl" else config.video_token_index
+        mask = batch["attention_mask"].clone()
+        for b in range(2):
+            where = (batch["input_ids"][b] == video_id).nonzero()[:, 0]
+            start, end = int(where[0]), int(where[-1]) + 1
+            answer = int((batch["labels"][b] != -100).nonzero()[0])
+            scores = uv_scores({i: h[b] for i, h in enumerate(taught.hidden_states)}, slice(start, end),
+                               torch.arange(end, answer), [0, 1, 2])
+            k = math.ceil(round(0.2 * (end - start), 9))
+            dropped = torch.ones(end - start, dtype=torch.bool)
+            dropped[scores.topk(k).indices] = False
+            mask[b, start:end][dropped] = 0
+        positions = shifted_positions(net, plain, torch.zeros_like(batch["input_ids"]))
+        student = net(**{k: v for k, v in plain.items() if k != "attention_mask"}, attention_mask=mask,
+                      position_ids=positions, labels=batch["labels"])
+        scored = batch["labels"][:, 1:] != -100
+        t = torch.log_softmax(taught.logits.double(), -1)[:, :-1][scored]
+        s = torch.log_softmax(student.logits.double(), -1)[:, :-1][scored]
+        expected = (t.exp() * (t - s)).sum(-1).mean()
+    assert float(losses["loss"]) == pytest.approx(float(student.loss), rel=1e-4)
+    assert float(losses["distill_loss"]) == pytest.approx(float(expected), rel=1e-4)
+    assert int(mask.sum()) < int(batch["attention_mask"].sum())
+
+
+def test_with_dropout_the_looking_loss_asks_for_attention_on_kept_tokens_only():
+    from transformers import AutoModelForImageTextToText
+
+    from zoo.train.data import shifted_positions
+    from zoo.train.dropout import keep_mask
+    from zoo.train.losses import grounding_loss
+    from zoo.train.toy import step_losses
+
+    torch.manual_seed(0)
+    config = zoo_config("qwen-draft")
+    net = AutoModelForImageTextToText.from_config(config).eval()
+    net.set_attn_implementation("eager")
+    batches = iter(Batches("qwen-draft", 2, (6, 6), 0, visual_drop=1.0, visual_keep=(0.3, 0.3)))
+    batch = next(b for b in batches if bool(b["ground_mask"].any()))
+    with torch.no_grad():
+        losses = step_losses(net, {}, batch, None, ground_layer=1)
+        is_video = batch["input_ids"] == config.video_token_id
+        keep = keep_mask(is_video, batch["keep_noise"], batch["keep_fraction"])
+        plain = {k: v for k, v in batch.items() if k in ("input_ids", "pixel_values_videos", "video_grid_thw",
+                                                          "second_per_grid_ts", "mm_token_type_ids")}
+        positions = shifted_positions(net, plain | {"attention_mask": batch["attention_mask"]},
+                                      torch.zeros_like(batch["input_ids"]))
+        out = net(**plain, attention_mask=batch["attention_mask"] * keep, position_ids=positions,
+                  output_attentions=True)
+        expected = grounding_loss(out.attentions[1], batch["ground_mask"] & keep[:, None, :])
+    assert bool((batch["ground_mask"] & ~keep[:, None, :]).any())          # some targets were dropped
+    assert torch.isfinite(losses["ground_loss"]) and float(losses["ground_loss"]) == pytest.approx(float(expected), rel=1e-4)
