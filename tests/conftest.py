@@ -1,5 +1,6 @@
 import multiprocessing
 import os
+import signal
 import threading
 
 import pytest
@@ -18,6 +19,22 @@ def no_leftovers():
     assert not threads, f"threads left behind: {threads}"
     assert not children, f"processes left behind: {children}"
     assert set(os.listdir("/dev/shm")) - shm_before == set(), "shared-memory segments left behind"
+
+
+@pytest.fixture
+def ctrl_c():
+    """Ctrl-C (SIGINT, `_thread.interrupt_main`) raises KeyboardInterrupt in this process during
+    the test, even when pytest was started with SIGINT ignored: a command a non-interactive shell
+    starts in the background inherits that, and a simulated Ctrl-C would then do nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def sigint_as_default() -> None:
+    """For a test's child process (subprocess preexec_fn): SIGINT back to its default, so that the
+    child's Python turns it into KeyboardInterrupt whatever this process inherited (see ctrl_c)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from job.run import prepare
+from tests.conftest import sigint_as_default
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
@@ -188,7 +189,8 @@ def test_ctrl_c_cancels_and_leaves_nothing_behind(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "run", "+experiment=demo", "graph.nodes.source.on=decode",
          "graph.nodes.source.stage.items=100000", f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=sigint_as_default)  # noqa: PLW1509 -- one signal call in the child, no lock taken
     deadline = time.time() + 60
     children = set()
     while time.time() < deadline and not children:  # wait for the decode worker process
@@ -207,8 +209,8 @@ def test_ctrl_c_cancels_and_leaves_nothing_behind(tmp_path):
 
 
 def test_default_run_describes_the_bundled_video_with_the_toy_target(tmp_path):
-    from zoo.world import Truth
     from zoo.captions import score
+    from zoo.world import Truth
 
     out = run(f"hydra.run.dir={tmp_path}")
     assert out.returncode == 0, out.stderr

@@ -226,7 +226,7 @@ def test_setup_failure_is_reported_and_cleaned_up(no_leftovers):
             ex.run(Request())
 
 
-def test_keyboard_interrupt_cancels_and_cleans_up(no_leftovers):
+def test_keyboard_interrupt_cancels_and_cleans_up(no_leftovers, ctrl_c):
     """Ctrl-C lands in the main thread's wait; the run is cancelled and everything stops."""
     nodes = {"src": node(f"{H}.Forever", "decode"),
              "sink": node(f"{H}.SlowSink", "target", {"item": "src.item"}, delay=0.001)}

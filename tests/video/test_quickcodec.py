@@ -252,7 +252,7 @@ def test_a_decoder_process_that_dies(slow_video):
     assert _reelflow_shm() == before
 
 
-def test_ctrl_c_during_decode_leaves_nothing(slow_video):
+def test_ctrl_c_during_decode_leaves_nothing(slow_video, ctrl_c):
     import multiprocessing
 
     before, children = _reelflow_shm(), set(multiprocessing.active_children())
