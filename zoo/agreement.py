@@ -7,7 +7,7 @@ text), each at its own position as SelectedPrefill prefills them.
     python -m zoo.agreement --target zoo/weights/qwen-target --drafts zoo/weights/qwen-draft \\
         --fps 2 8 --alphas 0 0.5 0.9 --videos 8
 
-Held-out toy videos (seeds 0..videos-1, H.264, the caption_eval and card videos) of `--seconds`,
+Held-out toy videos (seeds 0..videos-1 or from --first-seed, H.264, the caption_eval and card videos) of `--seconds`,
 made at each frame rate. Prints a markdown table (one row per draft and frame rate) and, with
 --out, writes the figures as JSON.
 """
@@ -36,7 +36,8 @@ def frames_at(seed: int, seconds: float, fps: float):
 
 
 @torch.no_grad()
-def measure(target_path: str, draft_paths: list[str], fps_list, alphas, videos: int = 8, seconds: float = 30.0) -> dict:
+def measure(target_path: str, draft_paths: list[str], fps_list, alphas, videos: int = 8, seconds: float = 30.0,
+            first_seed: int = 0) -> dict:
     """{draft: {fps: {alpha: agreement}}} (plus "positions" per fps): the target's greedy answer
     and UV-Prune's choice are computed once per video and shared by the drafts."""
     target = load_model(target_path)
@@ -45,7 +46,7 @@ def measure(target_path: str, draft_paths: list[str], fps_list, alphas, videos: 
     for fps in fps_list:
         hits = {(path, a): 0 for path in draft_paths for a in alphas}
         total, t0 = 0, time.perf_counter()
-        for seed in range(videos):
+        for seed in range(first_seed, first_seed + videos):
             frames, truth = frames_at(seed, seconds, fps)
             answer = greedy_answer(target, frames, fps, PROMPT, answer_budget(truth))
             for alpha in alphas:
@@ -80,12 +81,13 @@ def main(argv=None):
     ap.add_argument("--alphas", nargs="+", type=float, default=[0.0, 0.5, 0.9])
     ap.add_argument("--videos", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--first-seed", type=int, default=0, help="seeds first..first+videos-1 (validation: 200)")
     ap.add_argument("--out", help="a JSON file for the figures")
     args = ap.parse_args(argv)
-    found = measure(args.target, args.drafts, args.fps, args.alphas, args.videos, args.seconds)
+    found = measure(args.target, args.drafts, args.fps, args.alphas, args.videos, args.seconds, args.first_seed)
     if args.out:
         Path(args.out).write_text(json.dumps({"target": args.target, "videos": args.videos, "seconds": args.seconds,
-                                              "agreement": found}, indent=1) + "\n")
+                                              "first_seed": args.first_seed, "agreement": found}, indent=1) + "\n")
     print(table(found, args.alphas))
 
 
