@@ -22,8 +22,10 @@ from stages.types import KV, Tokens
 def parse_shape(shape) -> tuple[str, int]:
     """1, 8 or "k8" -> ("chain", k); "tree30" -> ("tree", 30)."""
     text = str(shape)
-    kind, _, count = (("tree", "", text[4:]) if text.startswith("tree")
-                      else ("chain", "", text[1:] if text.startswith("k") else text))
+    if text.startswith("tree"):
+        kind, count = "tree", text[4:]
+    else:
+        kind, count = "chain", text.removeprefix("k")
     if not count.isdigit() or int(count) < 1:
         raise ValueError(f"shape {shape!r}: a token count (8 or 'k8') or a tree size ('tree30')")
     return kind, int(count)

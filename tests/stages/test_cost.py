@@ -1,0 +1,78 @@
+"""The forward-cost stage behind bench_step: its shapes and tree, the bytes a step reads, and one
+run through the executor that records a timer per shape and per copy, leaving the cache as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graph.executor import Executor
+from models.lean import tree_depths
+from models.load import load_model
+from models.registry import release_all
+from stages.cost import bushy_tree, parse_shape, step_bytes
+from stages.types import Request
+from tests.helpers import make, node
+from tests.models.test_adapters import random_checkpoint
+from zoo.shapes import FPS
+from zoo.videos import make_video
+
+
+def test_shapes_parse_and_bad_ones_are_refused():
+    assert parse_shape(1) == ("chain", 1) and parse_shape("k8") == ("chain", 8)
+    assert parse_shape("tree30") == ("tree", 30)
+    for bad in ("k0", "tree", "x3", -2):
+        with pytest.raises(ValueError, match="shape"):
+            parse_shape(bad)
+
+
+def test_the_bushy_tree_is_a_draft_trees_shape():
+    parents = bushy_tree(30)
+    assert parents.shape == (30,) and (parents[:4] == -1).all()
+    assert all(p < i for i, p in enumerate(parents.tolist()))                # parents come first
+    assert tree_depths(parents).max() == 2 and torch.bincount(parents[4:]).max() <= 4
+
+
+def test_step_bytes_count_layers_norm_head_and_cached_entries(tmp_path):
+    lm = load_model(str(random_checkpoint(tmp_path / "m", "qwen-draft")))
+    cache = lm.new_cache()
+    x = torch.randn(10, lm.text_config.hidden_size)
+    lm.prefill(cache, x, torch.arange(10).expand(3, 10))
+    sizes = step_bytes(lm, cache)
+    layers = sum(p.numel() for p in lm.text.layers.parameters()) * 4
+    head = lm.lm_head.weight.numel() * 4
+    assert sizes["weight_bytes"] == layers + head + lm.text.norm.weight.numel() * 4
+    assert sizes["cache_bytes"] == lm.cache_bytes(cache) == 2 * 2 * 1 * 64 * 10 * 4   # k, v x layers x kv heads x dim
+
+
+def test_step_cost_times_every_shape_and_leaves_the_cache_as_it_was(tmp_path):
+    target = {"path": str(random_checkpoint(tmp_path / "t", "qwen-draft")), "fps": FPS["qwen2_5_vl"], "size": 84}
+    video = tmp_path / "v.mp4"
+    make_video(3, 6, 2, 84, video)
+    nodes = {
+        "source": node("stages.source.Source"),
+        "decode": node("stages.decode.QuickCodec", inputs={"request": "source.request"}, fps=2, size=84,
+                       group_frames=8, workers=1),
+        "encode": node("stages.encode.VisionEncoder", on="target", inputs={"group": "decode.group"}, model=target,
+                       fps=2),
+        "prefill": node("stages.prefill.Prefill", on="target", inputs={"tokens": "encode.tokens",
+                                                                     "request": "source.request"},
+                        model=target, max_new_tokens=40),
+        "probe": node("stages.cost.StepCost", on="target", inputs={"kv": "prefill.kv"}, model=target,
+                      shapes=[1, "k4", "tree6"], repeats=3),
+    }
+    spec, plan = make(nodes)
+    with Executor(spec, plan, progress=False, record=("prefill.kv",)) as ex:
+        result = ex.run(Request("v", str(video), "describe the video ."))
+    release_all()
+    probe = next(c for c in result.calls if c.node == "probe" and c.phase == "call")
+    counts = {}
+    for name, t0, t1 in probe.parts:
+        assert t1 >= t0
+        counts[name] = counts.get(name, 0) + 1
+    assert counts == {"k1": 3, "k4": 3, "tree6": 3, "copy": 3}          # the warm-ups are not timed
+    meta = result.outputs["probe.tokens"].meta
+    kv = result.outputs["prefill.kv"]
+    assert meta["cache_entries"] == kv.layout.length                     # every forward rolled back
+    assert meta["step_bytes"] == meta["weight_bytes"] + meta["cache_bytes"] and meta["lean"] is True
+    assert meta["copy_bytes"] == 2 * 4 * (meta["step_bytes"] // 4)
