@@ -184,8 +184,9 @@ def test_judge_ahead_leaves_the_target_no_token_after_a_round_accepted_whole(pai
 @pytest.mark.parametrize("prime, judge_ahead", [(1, False), (2, True)])
 def test_sampled_first_tokens_follow_the_target_distribution(pair, prime, judge_ahead):
     """Over 200 seeds, the first two tokens of speculative sampling (temperature 1) are distributed
-    as the target's own sampling's (chi-square on the most common values); also with the draft
-    running ahead and the round in flight judged by the rule (judge_ahead)."""
+    as the target's own sampling's (chi-square on the most common values); also as the parallelvlm
+    graph runs it: the draft running ahead, pre-verify rounds after rollbacks, and the round in
+    flight judged by the rule (judge_ahead)."""
     from collections import Counter
 
     from tests.stages.test_generate import ar_nodes, run_graph
@@ -194,7 +195,7 @@ def test_sampled_first_tokens_follow_the_target_distribution(pair, prime, judge_
     sd, ar = Counter(), Counter()
     for seed in range(200):
         nodes = sd_nodes(target, draft, window=1 if judge_ahead else 3, prime=prime, max_new_tokens=2,
-                         temperature=1.0, seed=seed, judge_ahead=judge_ahead)
+                         temperature=1.0, seed=seed, judge_ahead=judge_ahead, pre_verify=judge_ahead)
         sd[tuple(run_sd(nodes, video).ids)] += 1
         out = run_graph(ar_nodes(target, max_new_tokens=2, temperature=1.0, seed=seed), Request("v", video, PROMPT))
         ar[tuple(out.outputs["generate.tokens"].ids)] += 1
