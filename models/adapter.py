@@ -247,8 +247,7 @@ class VideoLM:
         (taps, FastV's drop)."""
         ids = ids.reshape(-1)
         if self.lean is not None and not kw and ids.shape[0] <= SMALL_QUERY:
-            positions = torch.arange(start, start + ids.shape[0]) + layout.rope_delta
-            return self._lean_logits(cache, ids, positions, None)
+            return self._lean_logits(cache, ids, layout.decode_positions(start, ids.shape[0])[0], None)
         return self.prefill(cache, self.embed(ids), layout.decode_positions(start, ids.shape[0]), logits="all", **kw)
 
     def score_tree(self, cache, ids: torch.Tensor, parents: torch.Tensor, start: int, layout: Layout) -> torch.Tensor:

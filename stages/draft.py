@@ -114,7 +114,9 @@ class ModelDraft(Stage):
         self.round += 1
         if pre:
             self.pre_rounds.add(self.round)
-        meta = {"window": k, "mode": "pre" if pre else "post"}
+        # window: the γ in force (a pre-verify round drafts one token whatever γ is; the verifier
+        # records the tokens it verified apart), so window_mean stays the γ of the seed's bounds
+        meta = {"window": self.window, "mode": "pre" if pre else "post"}
         if self.tq[1]:
             meta["tq_s"] = self.tq[0] / self.tq[1]
         if self.round == 1:      # what the draft works from, for the run's metrics
