@@ -25,13 +25,12 @@ inside `model.forward`.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from models.attention import SMALL_QUERY
+from models.attention import SMALL_QUERY, sdpa_kernels
 from models.lean import LeanDecoder, tree_depths, tree_mask
 from models.prompt import video_prompt_ids
 
@@ -60,18 +59,6 @@ class Layout:
         """Positions [P, k] of logical indices start .. start + k - 1 after the prompt."""
         pos = torch.arange(start, start + k) + self.rope_delta
         return pos.expand(self.positions.shape[0], k)
-
-
-def _attention_kernels(device: torch.device):
-    """On CUDA, sdpa may use flash, memory-efficient or math kernels, not cuDNN's: cuDNN attention
-    builds an execution plan for every new key length, and in decoding, where the cache grows by
-    one each step, that host time per layer per token costs more than the step's kernels
-    (docs/design.md, "Measurements behind the design")."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 class VideoLM:
@@ -177,7 +164,7 @@ class VideoLM:
 
         rope = self.text.rotary_emb(x, pos)
         taps = set(taps)
-        with _attention_kernels(x.device):
+        with sdpa_kernels(x.device):
             x = self._layers(x, rope, cache, taps, on_tap, mask_for, masks, drop_after, choose)
         x = self.text.norm(x)[0]
         out = None if logits == "none" else self.lm_head(x[-1:] if logits == "last" else x).float()

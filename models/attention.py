@@ -22,6 +22,7 @@ import contextlib
 import contextvars
 
 import torch
+import torch.nn.functional as F
 
 NAME = "reelflow"
 SMALL_QUERY = 32
@@ -46,6 +47,33 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     probs = scores.softmax(-1).to(value.dtype).view(b, kv_heads, group * q, k)
     out = torch.matmul(probs, value)                                                  # [b, kv_h, g*q, d]
     return out.view(b, kv_heads, group, q, d).reshape(b, h, q, d).transpose(1, 2)
+
+
+def sdpa_kernels(device: torch.device):
+    """On CUDA, sdpa may use flash, memory-efficient or math kernels, not cuDNN's: cuDNN attention
+    builds an execution plan for every new key length, and in decoding, where the cache grows by
+    one each step, that host time per layer per token costs more than the step's kernels
+    (docs/design.md, "Measurements behind the design")."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float) -> torch.Tensor:
+    """grouped_attention's contract ([b, h, q, d] over [b, kv_h, k, d], bool mask [b, 1, q, k] or
+    None for causal) -> [b, q, h, d], for the lean decode path. On the CPU, and for masks and
+    several queries, it is grouped_attention (the operations transformers' own attention runs, so
+    the lean path matches the model's forward). One query on CUDA takes sdpa's flash kernel with
+    grouped heads: cuBLAS's batched products serve one query against a long cache badly (on an
+    H200: 80-135 µs a layer at 8-32K cached tokens against flash's 38-45)."""
+    if query.device.type == "cuda" and mask is None and query.shape[2] == 1:
+        with sdpa_kernels(query.device):
+            out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2)                                                    # [b, q, h, d]
+    return grouped_attention(query, key, value, mask, scaling)
 
 
 _LAST_ROW: contextvars.ContextVar[dict | None] = contextvars.ContextVar("reelflow_last_row", default=None)

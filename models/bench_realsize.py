@@ -26,6 +26,7 @@ Timings are synchronised device time on the wall clock; nothing here is a unit t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -71,7 +72,8 @@ def kept_rows(layout, alpha: float) -> torch.Tensor:
     return torch.cat([text, video]).sort().values
 
 
-def measure(lm, n_video: int, *, steps: int, repeats: int, ks: tuple[int, ...], alpha: float = 0.0) -> dict:
+def measure(lm, n_video: int, *, steps: int, repeats: int, ks: tuple[int, ...], alpha: float = 0.0,
+            paths: tuple[str, ...] = ("lean",)) -> dict:
     """Every timing of one model at one context (see the module doc); with `alpha` > 0 the cache
     holds the prompt with that share of its video pruned, at the kept tokens' own positions."""
     device = lm.device
@@ -94,30 +96,87 @@ def measure(lm, n_video: int, *, steps: int, repeats: int, ks: tuple[int, ...], 
         if len(prefills) < repeats:
             del cache
     token, position = int(logits.argmax()), layout.length
-    step_times = []
-    for i in range(steps + 4):                       # the first 4 steps warm up, untimed
-        _sync(device)
+    step_ms, verify_ms = {}, {}
+    for path in paths:
+        with decode_path(lm, path):
+            step_ms[path], token, position = _steps(lm, cache, layout, token, position, steps)
+            verify_ms[path] = _verifications(lm, cache, layout, token, position, ks, repeats)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if torch.device(device).type == "cuda" else None
+    floor_ms = 1000 * step_bytes(lm, cache) / copy_bandwidth(device, repeats)
+    main = paths[-1]
+    return {"n_video": layout.n_video, "alpha": alpha, "cached": embeds.shape[0], "context": layout.length,
+            "n_frames": n_frames, "frame_hw": list(hw),
+            "encode_s": encode_s, "prefill_s": statistics.median(prefills), "path": main,
+            "step_ms": step_ms[main], "verify_ms": verify_ms[main], "floor_ms": floor_ms,
+            "step_ms_by_path": step_ms, "verify_ms_by_path": verify_ms, "peak_gib": peak}
+
+
+def _steps(lm, cache, layout, token: int, position: int, steps: int) -> tuple[float, int, int]:
+    """Mean ms of a greedy decode step (forward, argmax, the host reading the token) after 4
+    untimed ones; returns it with the last token and the next position."""
+    times = []
+    for i in range(steps + 4):
+        _sync(lm.device)
         start = time.perf_counter()
         logits = lm.score(cache, torch.tensor([token]), position, layout)
         token = int(logits[-1].argmax())             # the host reads the token, as generation does
         if i >= 4:
-            step_times.append(time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
         position += 1
+    return 1000 * statistics.mean(times), token, position
+
+
+def _verifications(lm, cache, layout, token: int, position: int, ks, repeats: int) -> dict:
+    """Median ms of scoring k tokens over the cache, then rolling them back, for each k."""
     verify = {}
     for k in ks:
         length = lm.cached_length(cache)
         times = []
         for _ in range(repeats + 1):
             ids = torch.full((k,), token)
-            seconds, _ = _timed(lambda: lm.score(cache, ids, position, layout), device)
+            seconds, _ = _timed(lambda: lm.score(cache, ids, position, layout), lm.device)
             lm.crop(cache, length)
             times.append(seconds)
         verify[k] = 1000 * statistics.median(times[1:])
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if torch.device(device).type == "cuda" else None
-    return {"n_video": layout.n_video, "alpha": alpha, "cached": embeds.shape[0], "context": layout.length,
-            "n_frames": n_frames, "frame_hw": list(hw),
-            "encode_s": encode_s, "prefill_s": statistics.median(prefills),
-            "step_ms": 1000 * statistics.mean(step_times), "verify_ms": verify, "peak_gib": peak}
+    return verify
+
+
+@contextlib.contextmanager
+def decode_path(lm, path: str):
+    """Score through `path` inside the block: "forward" (the model's own), "lean" (models.lean,
+    eager)."""
+    saved = lm.lean
+    if path == "forward":
+        lm.lean = None
+    elif path != "lean":
+        raise ValueError(f"decode path {path!r}: forward or lean")
+    elif lm.lean is None:
+        raise ValueError(f"{lm.name}: no lean path for this model")
+    try:
+        yield
+    finally:
+        lm.lean = saved
+
+
+def step_bytes(lm, cache) -> int:
+    """Bytes a decode step must read: the decoder layers' weights, the final norm, the LM head
+    (the input embedding is a row lookup) and the cached entries."""
+    weights = sum(p.numel() * p.element_size() for p in lm.text.layers.parameters())
+    weights += sum(p.numel() * p.element_size() for p in lm.text.norm.parameters())
+    weights += lm.lm_head.weight.numel() * lm.lm_head.weight.element_size()
+    return int(weights + lm.cache_bytes(cache))
+
+
+def copy_bandwidth(device, repeats: int, size: int = 2**30) -> float:
+    """Bytes per second a device-to-device copy of `size` bytes moves, counting what it reads and
+    what it writes (the floor divides a step's bytes by this: a step cannot stream its weights
+    faster than a copy does)."""
+    size = size if torch.device(device).type == "cuda" else size // 16
+    source = torch.ones(size // 4, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    times = [_timed(lambda: target.copy_(source), device)[0] for _ in range(max(3, repeats))]
+    return 2 * size / statistics.median(times)
 
 
 def label(n: int, alpha: float) -> str:
@@ -125,7 +184,8 @@ def label(n: int, alpha: float) -> str:
 
 
 def run_benchmark(models, contexts, *, device="cuda", dtype="bfloat16", attn="sdpa", steps=32, repeats=2,
-                  ks=(2, 4, 8, 16), pair=None, alphas=(0.0, 0.5, 0.9), gamma=8, out: Path | None = None) -> dict:
+                  ks=(2, 4, 8, 16), pair=None, alphas=(0.0, 0.5, 0.9), gamma=8, paths=None,
+                  out: Path | None = None) -> dict:
     contexts = sorted(set(contexts))
     plan = {m: [(n, 0.0) for n in contexts] for m in models}
     if pair:
@@ -133,18 +193,20 @@ def run_benchmark(models, contexts, *, device="cuda", dtype="bfloat16", attn="sd
         plan.setdefault(target, [(n, 0.0) for n in contexts])
         plan[draft] = sorted(set(plan.get(draft, [])) | {(n, float(a)) for n in contexts for a in alphas})
     on_gpu = torch.device(device).type == "cuda"
-    results = {"device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
+    paths = tuple(paths or (("forward", "lean") if on_gpu else ("lean",)))
+    results = {"paths": list(paths), "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
                "dtype": dtype, "attn_implementation": attn, "torch": torch.__version__, "models": {}}
     bar = tqdm(total=sum(len(c) for c in plan.values()), desc="bench_realsize", unit="context")
     for path, model_plan in plan.items():
         load_s, lm = _timed(lambda: load_model(path, dtype=dtype, device=device, attn_implementation=attn), device)
         entry = {"parameters": sum(p.numel() for p in lm.model.parameters()), "load_s": load_s,
                  "layers": lm.n_layers, "contexts": {}}
-        measure(lm, contexts[0], steps=2, repeats=1, ks=ks[:1])     # kernels, allocator, cuBLAS handles
+        measure(lm, contexts[0], steps=2, repeats=1, ks=ks[:1], paths=paths)   # kernels, allocator, cuBLAS handles
         for n, alpha in model_plan:
             bar.set_postfix_str(f"{path.removeprefix('random:')} {label(n, alpha)}")
             try:
-                entry["contexts"][label(n, alpha)] = measure(lm, n, steps=steps, repeats=repeats, ks=ks, alpha=alpha)
+                entry["contexts"][label(n, alpha)] = measure(lm, n, steps=steps, repeats=repeats, ks=ks, alpha=alpha,
+                                                             paths=paths)
             except torch.OutOfMemoryError as e:
                 entry["contexts"][label(n, alpha)] = {"error": "out of memory: " + str(e).splitlines()[0]}
             if on_gpu:
@@ -185,18 +247,22 @@ def speculative_table(results: dict, pair, contexts, alphas, gamma: int) -> list
 def markdown(results: dict) -> str:
     lines = [f"device {results['device']}, {results['dtype']}, attention {results['attn_implementation']}, "
              f"torch {results['torch']}", "",
-             "| model | params (B) | video tokens | cached | encode s | prefill s | decode ms/token | verify k ms | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"decode ms/token by path ({', '.join(results['paths'])}); verify and Tp on the last; floor: the bytes "
+             "a step reads (weights, cache) over the device's copy bandwidth", "",
+             "| model | params (B) | video tokens | cached | encode s | prefill s | decode ms/token | floor ms | "
+             "verify k ms | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for path, entry in results["models"].items():
         for n, r in entry["contexts"].items():
             name = path.removeprefix("random:")
             if "error" in r:
-                lines.append(f"| {name} | {entry['parameters'] / 1e9:.2f} | {n} | – | – | – | – | {r['error']} | – |")
+                lines.append(f"| {name} | {entry['parameters'] / 1e9:.2f} | {n} | – | – | – | – | – | {r['error']} | – |")
                 continue
             verify = ", ".join(f"{k}: {v:.1f}" for k, v in r["verify_ms"].items())
             peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "–"
+            steps = " / ".join(f"{v:.2f}" for v in r["step_ms_by_path"].values())
             lines.append(f"| {name} | {entry['parameters'] / 1e9:.2f} | {n} | {r['cached']} | {r['encode_s']:.3f} | "
-                         f"{r['prefill_s']:.3f} | {r['step_ms']:.2f} | {verify} | {peak} |")
+                         f"{r['prefill_s']:.3f} | {steps} | {r['floor_ms']:.2f} | {verify} | {peak} |")
     if results.get("speculative"):
         lines += ["", "| video tokens | α | draft caches | Tp ms | target step ms | Tq(α) ms | c* = Tp/Tq | "
                   "τ̂·c* at τ̂ 0.5 / 0.7 / 0.9 |", "|---|---|---|---|---|---|---|---|"]
@@ -259,6 +325,9 @@ def main(argv=None) -> None:
     parser.add_argument("--attn", default="sdpa")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--paths", nargs="+", choices=("forward", "lean"),
+                        help="decode paths to time (default: both on a GPU, lean on the CPU); "
+                             "verifications and Tp use the last")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if torch.device(args.device).type != "cuda":
@@ -267,7 +336,7 @@ def main(argv=None) -> None:
     ks = tuple(sorted({2, 4, args.gamma, 16}))
     results = run_benchmark(args.models, args.contexts, device=args.device, dtype=args.dtype, attn=args.attn,
                             steps=args.steps, repeats=args.repeats, ks=ks, pair=args.pair, alphas=args.alphas,
-                            gamma=args.gamma, out=out)
+                            gamma=args.gamma, paths=args.paths, out=out)
     print(markdown(results))
     print(f"written to {out}")
 

@@ -54,7 +54,9 @@ class GrowingLayer(DynamicLayer):
         need = length + new.shape[-2]
         if buf is None or buf.dim() != 4 or need > buf.shape[-2]:
             capacity = need + max(MIN_SPARE, int(need * SPARE))
-            grown = new.new_empty(*new.shape[:2], capacity, new.shape[-1])
+            # zeros, not garbage: a writer that attends over the whole buffer with the spare slots
+            # masked (a captured CUDA graph) would still get NaN from a masked NaN times zero
+            grown = new.new_zeros(*new.shape[:2], capacity, new.shape[-1])
             if buf is not None and buf.dim() == 4 and length:
                 grown[..., :length, :] = buf[..., :length, :]
             self._buffers[name] = buf = grown
@@ -67,6 +69,29 @@ class GrowingLayer(DynamicLayer):
         self._append("keys", key_states)
         self._append("values", value_states)
         return self.keys, self.values
+
+    def reserve(self, n: int) -> None:
+        """Make room for `n` more entries without adding any (growing as an append would)."""
+        for name in ("keys", "values"):
+            buf = self._buffers[name]
+            length = self._length[name]
+            if buf is None or buf.dim() != 4:
+                raise ValueError("reserve: the layer holds no entries yet (prefill first)")
+            if length + n > buf.shape[-2]:
+                self._append(name, buf.new_zeros(*buf.shape[:2], n, buf.shape[-1]))
+                self._length[name] = length
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys' and values' whole buffers [b, kv_heads, capacity, head_dim], spare room included."""
+        return self._buffers["keys"], self._buffers["values"]
+
+    def advance(self, n: int) -> None:
+        """Count `n` entries written into the buffers past the filled part (by a writer that was
+        handed `buffers()`, such as a captured CUDA graph) as held."""
+        for name in ("keys", "values"):
+            if self._length[name] + n > self._buffers[name].shape[-2]:
+                raise ValueError(f"advance by {n}: only {self._buffers[name].shape[-2] - self._length[name]} slots left")
+            self._length[name] += n
 
     def capacity(self) -> int:
         """Entries the layer's buffers can hold before the next reallocation."""

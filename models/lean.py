@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from models.attention import grouped_attention
+from models.attention import decode_attention
 
 TABLE_STEP = 4096       # rotary table rows added at a time (positions beyond it extend it)
 
@@ -141,6 +141,7 @@ class LeanDecoder:
                 pos = pos[None].expand(3, 1, rows)                                 # [3, 1, rows]
             cos, sin = self.text.rotary_emb(like[None, :1], pos)
             self._cos, self._sin = cos.reshape(rows, -1), sin.reshape(rows, -1)
+        positions = positions.to(self._cos.device)
         return self._cos[positions], self._sin[positions]
 
     # ------------------------------------------------------------------------- forward
@@ -152,21 +153,32 @@ class LeanDecoder:
         appends their keys and values to `cache`. mask: None (causal among the n) or bool [n, n]
         (row i sees column j among the new tokens; every cached entry is seen). Returns the
         final-norm hidden states [n, hidden]."""
+        n = embeds.shape[0]
+
+        def attend(i, q, k, v):
+            keys, values = cache.layers[i].update(k[None], v[None])                                 # [1, KV, L, hd]
+            full = None
+            if mask is not None:          # every cached entry, then the tree among the new ones
+                full = torch.ones(1, 1, n, keys.shape[2], dtype=torch.bool, device=q.device)
+                full[..., keys.shape[2] - n:] = mask.to(q.device)
+            return decode_attention(q[None], keys, values, full, self.scaling)                     # [1, n, H, hd]
+
+        return self.run_layers(embeds, positions, attend)
+
+    def run_layers(self, embeds: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder layers over embeds [n, hidden] at rotary positions [n]; attend(layer, q [H, n, hd], k [KV, n, hd], v [KV, n, hd]) stores the new keys
+        and values wherever its cache keeps them and returns attention [1, n, H, hd]. Returns
+        the final-norm hidden states [n, hidden]."""
         x = embeds
         n = x.shape[0]
-        cos, sin = self._rotary(positions.to(x.device), x)
+        cos, sin = self._rotary(positions, x)
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.input_norm, self.eps)
             q = F.linear(h, w.q, w.q_bias).view(n, self.n_heads, self.head_dim).transpose(0, 1)      # [H, n, hd]
             k = F.linear(h, w.k, w.k_bias).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1)   # [KV, n, hd]
             v = F.linear(h, w.v, w.v_bias).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            keys, values = cache.layers[i].update(k[None], v[None])                                 # [1, KV, L, hd]
-            full = None
-            if mask is not None:          # every cached entry, then the tree among the new ones
-                full = torch.ones(1, 1, n, keys.shape[2], dtype=torch.bool, device=x.device)
-                full[..., keys.shape[2] - n:] = mask.to(x.device)
-            attn = grouped_attention(q[None], keys, values, full, self.scaling)                     # [1, n, H, hd]
+            attn = attend(i, q, k, v)
             x = x + F.linear(attn.reshape(n, self.n_heads * self.head_dim), w.o, w.o_bias)
             h = rms_norm(x, w.post_norm, self.eps)
             x = x + F.linear(F.silu(F.linear(h, w.gate)) * F.linear(h, w.up), w.down)

@@ -46,12 +46,12 @@ def packed_sdpa_attention(module, query: torch.Tensor, key: torch.Tensor, value:
         raise ValueError(f"{NAME} is for the vision tower's bidirectional window attention (no mask, not causal)")
     if cu_seq_lens_q is None or (cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_q, cu_seq_lens_k)):
         raise ValueError(f"{NAME} needs the packed windows' boundaries (cu_seq_lens_q == cu_seq_lens_k)")
-    from models.adapter import _attention_kernels
+    from models.attention import sdpa_kernels
 
     _, heads, n, d = query.shape
     out = query.new_empty(n, heads, d)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))          # [n, heads, d]
-    with _attention_kernels(query.device):
+    with sdpa_kernels(query.device):
         for length, starts in window_batches(cu_seq_lens_q):
             index = (starts[:, None] + torch.arange(length)).to(query.device)    # [m, L] token rows
             qb, kb, vb = (t[index].permute(0, 2, 1, 3) for t in (q, k, v))     # [m, heads, L, d]

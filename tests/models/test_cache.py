@@ -1,6 +1,7 @@
 """The growing KV cache: the same keys and values as transformers' DynamicCache through appends,
 rollbacks and pruning, without copying the cache on every append."""
 
+import pytest
 import torch
 
 from models.cache import GrowingLayer, growing_cache
@@ -48,3 +49,25 @@ def test_a_decode_step_writes_into_spare_room_instead_of_copying():
 def test_growing_cache_replaces_every_full_attention_layer():
     cache = growing_cache(zoo_config("qwen-target").text_config)
     assert len(cache.layers) == 6 and all(isinstance(layer, GrowingLayer) for layer in cache.layers)
+
+
+def test_reserve_and_advance_let_a_writer_fill_the_spare_room_in_place():
+    """What a CUDA graph does (models.graphed): reserve room, write past the filled part into the
+    buffers it was given, then count the entries as held; the spare room reads as zeros."""
+    layer = GrowingLayer()
+    with pytest.raises(ValueError, match="prefill first"):
+        layer.reserve(1)
+    k, v = kv(10, 0)
+    layer.update(k, v)
+    keys, values = layer.buffers()
+    assert keys.shape[2] == layer.capacity() > 10 and torch.equal(keys[:, :, 10:], torch.zeros_like(keys[:, :, 10:]))
+    layer.reserve(5)
+    assert layer.buffers()[0].data_ptr() == keys.data_ptr() and layer.get_seq_length() == 10     # room: no move
+    new_k, new_v = kv(5, 1)
+    keys[:, :, 10:15], values[:, :, 10:15] = new_k, new_v
+    layer.advance(5)
+    assert torch.equal(layer.keys, torch.cat([k, new_k], 2)) and torch.equal(layer.values, torch.cat([v, new_v], 2))
+    layer.reserve(layer.capacity())                            # more than is left: grows, keeps what it held
+    assert layer.capacity() >= 30 and torch.equal(layer.keys, torch.cat([k, new_k], 2))
+    with pytest.raises(ValueError, match="slots left"):
+        layer.advance(layer.capacity())
