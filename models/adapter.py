@@ -294,6 +294,25 @@ class VideoLM:
             layer.values = layer.values.index_select(-2, idx)
 
     @staticmethod
+    @torch.inference_mode()
+    def keep_path(cache, n: int, rows) -> None:
+        """The last `n` entries of every layer are a tree's nodes in node order: keep those of the
+        nodes `rows` (ascending node indices: an accepted root-to-node path), in that order, and
+        drop the others. Only those few entries move; the cache before them is not copied."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+            raise ValueError(f"keep_path: nodes {rows.tolist()} are not among the last {n} entries")
+        for layer in cache.layers:
+            start = layer.keys.shape[-2] - n
+            if rows.numel():
+                index = (rows + start).to(layer.keys.device)
+                moved_k, moved_v = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
+                layer.keys[..., start:start + rows.numel(), :] = moved_k       # writes into the cache's buffer
+                layer.values[..., start:start + rows.numel(), :] = moved_v
+            if n > rows.numel():
+                layer.crop(-(n - rows.numel()))
+
+    @staticmethod
     def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s (0-based) cached keys and values, [kv_heads, n_cached, head_dim] each;
         keys carry their rotary positions."""

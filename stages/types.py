@@ -115,6 +115,7 @@ class Proposal:
     probs: Any = None    # float [k, vocab] when sampling
     meta: dict = field(default_factory=dict)   # the first round's: what the draft prefilled
     after: int = -1
+    parents: Any = None  # int64 [k]: a tree (stages.tree: parents[i] < i, -1 a root); None: a chain
 
 
 @dataclass(frozen=True)

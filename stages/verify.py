@@ -23,6 +23,12 @@ next token (bonus or correction), rolls its cache back to the committed sequence
 with a Verdict on the feedback edge. A proposal drafted on a prefix that a verdict has since
 rejected (the draft runs a round ahead, PEARL-style) is stale: it is answered without work.
 EOS and max_new_tokens inside an accepted block cut the block there (docs/design.md, pitfall 6).
+
+A proposal with `parents` is a tree of candidates (stages.tree): the committed tokens not yet
+cached and the whole tree go through one forward (VideoLM.score_tree: each node at the position of
+its depth, seeing only its ancestors), the tree rules pick one root-to-node path, and only that
+path's cache entries are kept, moved up behind the committed ones (VideoLM.keep_path). A chain
+given as a tree is verified exactly as the chain.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 from graph.stage import In, Out, Stage
 from models.registry import get_model
 from models.sampling import Sampling, sample
+from stages.tree import check_tree, tree_greedy_verify, tree_sample_verify
 from stages.types import KV, Proposal, SpeculativeStats, Tokens, Verdict
 
 
@@ -146,6 +153,12 @@ class Verifier(Stage):
             self.stale += 1
             ctx.emit("verdict", Verdict(proposal.round, 0, -1, len(self.committed), stale=True))
             return {}
+        if proposal.parents is not None:
+            if overlap:            # a tree is drafted on the committed sequence, never ahead of it
+                self.stale += 1
+                ctx.emit("verdict", Verdict(proposal.round, 0, -1, len(self.committed), stale=True))
+                return {}
+            return self._verify_tree(ctx, kv, proposal)
         draft, q = draft[overlap:], (q[overlap:] if q is not None else None)
         lm, layout = self.lm, kv.layout
         vocab = self.vocab or len(lm.tokenizer)
@@ -198,6 +211,56 @@ class Verifier(Stage):
             ctx.end("verdict")
             return {}
         ctx.emit("verdict", Verdict(proposal.round, accepted, token, len(self.committed), verify_s=spent))
+        return {}
+
+    def _verify_tree(self, ctx, kv: KV, proposal: Proposal):
+        """A tree of candidates (proposal.parents, stages.tree) in one forward: the committed tokens
+        not yet cached as a chain, then the tree under the last of them; one root-to-node path is
+        accepted, its entries moved up behind the committed ones, the other nodes' dropped."""
+        tokens, parents = proposal.tokens.reshape(-1), proposal.parents.reshape(-1).long()
+        check_tree(tokens, parents)
+        lm, layout, n = self.lm, kv.layout, tokens.shape[0]
+        vocab = self.vocab or len(lm.tokenizer)
+        before = len(self.committed)
+        with ctx.timer("verify") as verify:
+            pending = torch.tensor(self.committed[self.in_cache:], dtype=torch.long)
+            m = pending.shape[0]
+            start = kv.logical_length + self.in_cache
+            if m:      # one tree: the pending chain, the candidates under its last token
+                ids = torch.cat([pending, tokens])
+                tree = torch.cat([torch.arange(m) - 1, torch.where(parents < 0, m - 1, parents + m)])
+                logits = lm.score_tree(kv.cache, ids, tree, start, layout)[m - 1:, :vocab]      # [n+1, V]
+            else:
+                root = kv.logits if self.ahead is None else self.ahead
+                scored = lm.score_tree(kv.cache, tokens, parents, start, layout)
+                logits = torch.cat([root[None, :vocab], scored[:, :vocab]])
+            self.ahead = None
+            if self.sampling.greedy:
+                path, token = tree_greedy_verify(tokens, parents, logits)
+            else:
+                q = proposal.probs[:, :vocab].float().cpu() if proposal.probs is not None else None
+                path, token = tree_sample_verify(tokens, parents, self.sampling.probs(logits).float().cpu(),
+                                                 self.rng, q)
+        spent = verify.seconds
+        self.verify_s.append(spent)
+        self.windows.append(int(n))
+        if "tq_s" in proposal.meta:
+            self.tq_s = proposal.meta["tq_s"]
+        self.committed, self.done = commit(self.committed, tokens[path].tolist(), token, lm.eos_ids,
+                                           self.max_new_tokens)
+        keep = min(before + len(path), len(self.committed))
+        # the cache holds committed[:before] then the n nodes: keep the path's (up to `keep`)
+        lm.keep_path(kv.cache, n, path[:keep - before])
+        self.in_cache = keep
+        self.rounds += 1
+        self.accepted.append(keep - before)
+        self.drafted.append(int(n))
+        if before == 0:
+            ctx.emit("first", Tokens(self.committed[:1]))
+        if self.done:
+            ctx.end("verdict")
+            return {}
+        ctx.emit("verdict", Verdict(proposal.round, len(path), token, len(self.committed), verify_s=spent))
         return {}
 
     def finish(self, ctx):
