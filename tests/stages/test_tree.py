@@ -66,11 +66,6 @@ def test_greedy_follows_the_argmax_through_the_branches():
     assert tree_greedy_verify(tokens, parents, logits) == ([], 5)
 
 
-def _committed(tokens, parents, path, token, depth):
-    out = [int(tokens[i]) for i in path] + [token]
-    return out[:depth]
-
-
 @pytest.mark.parametrize("drawn", [False, True], ids=["fixed candidates", "drawn from q"])
 def test_sampling_commits_the_targets_distribution(drawn):
     g = torch.Generator().manual_seed(1)

@@ -11,7 +11,6 @@ import time
 import torch
 
 from models.decoding import prefill_video
-from models.load import load_model
 from stages.types import KV, Proposal
 from stages.verify import Verifier
 from zoo.shapes import FPS
