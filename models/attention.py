@@ -68,7 +68,8 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     several queries, it is grouped_attention (the operations transformers' own attention runs, so
     the lean path matches the model's forward). One query on CUDA takes sdpa's flash kernel with
     grouped heads: cuBLAS's batched products serve one query against a long cache badly (on an
-    H200: 80-135 µs a layer at 8-32K cached tokens against flash's 38-45)."""
+    H200 the lean 7B step stayed flat from 8K to 32K cached tokens with it, where the model's own
+    forward grew by two thirds: docs/results/2026-11-25-h200-lean.md)."""
     if query.device.type == "cuda" and mask is None and query.shape[2] == 1:
         with sdpa_kernels(query.device):
             out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)

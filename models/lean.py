@@ -166,9 +166,10 @@ class LeanDecoder:
         return self.run_layers(embeds, positions, attend)
 
     def run_layers(self, embeds: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """The decoder layers over embeds [n, hidden] at rotary positions [n]; attend(layer, q [H, n, hd], k [KV, n, hd], v [KV, n, hd]) stores the new keys
-        and values wherever its cache keeps them and returns attention [1, n, H, hd]. Returns
-        the final-norm hidden states [n, hidden]."""
+        """The decoder layers over embeds [n, hidden] at rotary positions [n]. attend(layer,
+        q [H, n, hd], k [KV, n, hd], v [KV, n, hd]) stores the new keys and values wherever its
+        cache keeps them and returns attention [1, n, H, hd]. Returns the final-norm hidden
+        states [n, hidden]."""
         x = embeds
         n = x.shape[0]
         cos, sin = self._rotary(positions, x)
