@@ -34,13 +34,14 @@ def main(cfg: DictConfig) -> float | None:
     from stages.source import load_requests
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if cfg.get("train"):      # +experiment=train_toy: training, not a graph
+    if cfg.get("train"):      # +experiment=train_toy | train_sparrow: training, not a graph
         import json
 
-        from zoo.train.toy import train
+        from zoo.train.recipes import recipe_of, trainer
 
         try:      # the keys are checked before anything is built
-            result = train(progress=cfg.executor.get("progress"), **OmegaConf.to_container(cfg.train, resolve=True))
+            name, keys = recipe_of(OmegaConf.to_container(cfg.train, resolve=True))
+            result = trainer(name)(progress=cfg.executor.get("progress"), **keys)
         except ConfigError as e:
             print(f"reelflow: {e}", file=sys.stderr)
             sys.exit(2)
@@ -75,10 +76,13 @@ def check_train_keys(argv: list[str]) -> None:
     if not keys:
         return
     from graph.spec import ConfigError
-    from zoo.train.config import LoopConfig, ToyConfig, check_keys
+    from zoo.train.config import check_keys
+    from zoo.train.recipes import config_classes
 
+    recipe = "sparrow" if "+experiment=train_sparrow" in argv else "toy"
+    keys = [k for k in keys if k != "recipe"]
     try:
-        check_keys(keys, LoopConfig, ToyConfig)
+        check_keys(keys, *config_classes(recipe))
     except ConfigError as e:
         print(f"reelflow: {e}", file=sys.stderr)
         sys.exit(2)

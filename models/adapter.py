@@ -237,22 +237,25 @@ class VideoLM:
             return self._lean_logits(cache, ids, layout.decode_positions(start, ids.shape[0])[0], None)
         return self.prefill(cache, self.embed(ids), layout.decode_positions(start, ids.shape[0]), logits="all", **kw)
 
-    def score_tree(self, cache, ids: torch.Tensor, parents: torch.Tensor, start: int, layout: Layout) -> torch.Tensor:
+    def score_tree(self, cache, ids: torch.Tensor, parents: torch.Tensor, start: int, layout: Layout,
+                   hidden: bool = False):
         """Logits [n, vocab] for a tree of n candidate tokens after the cached sequence, in one
         forward: node i (ids[i]) follows its parent parents[i] (-1: the last cached token), sits
         at logical index start + its depth, and attends to the cache and its own ancestors. All n
-        entries join the cache in node order (keep the accepted path's with `keep`)."""
+        entries join the cache in node order (keep the accepted path's with `keep_path`).
+        hidden: also return the final-norm hidden states [n, hidden] (returns (logits, hidden))."""
         ids, parents = ids.reshape(-1), parents.reshape(-1)
         positions = start + tree_depths(parents) + layout.rope_delta             # [n]
         if self.lean is not None and ids.shape[0] <= SMALL_QUERY:
-            return self._lean_logits(cache, ids, positions, tree_mask(parents))
+            return self._lean_logits(cache, ids, positions, tree_mask(parents), hidden=hidden)
         positions = positions.expand(layout.positions.shape[0], -1)              # [P, n]: one value per row
-        return self.prefill(cache, self.embed(ids), positions, logits="all", among=tree_mask(parents))
+        return self.prefill(cache, self.embed(ids), positions, logits="all", among=tree_mask(parents), hidden=hidden)
 
     @torch.inference_mode()
-    def _lean_logits(self, cache, ids: torch.Tensor, positions: torch.Tensor, mask) -> torch.Tensor:
-        hidden = self.lean.forward(cache, self.embed(ids), positions, mask)
-        return self.lm_head(hidden).float()
+    def _lean_logits(self, cache, ids: torch.Tensor, positions: torch.Tensor, mask, hidden: bool = False):
+        states = self.lean.forward(cache, self.embed(ids), positions, mask)
+        logits = self.lm_head(states).float()
+        return (logits, states) if hidden else logits
 
     # ----------------------------------------------------------------------------- cache edits
 

@@ -129,6 +129,9 @@ class Verdict:
     stale: bool = False  # the proposal was built on a prefix already rejected
     done: bool = False
     verify_s: float = 0.0  # the target's time for this verification (its forward and the rule): Tp, for `window: auto`
+    path: tuple = ()       # a tree proposal: the accepted nodes, root to leaf
+    features: Any = None   # asked for by the proposal (meta "features"): the target's final-norm
+    #                        states [m, hidden] of the tokens this verification cached, in order
 
 
 @dataclass(frozen=True)

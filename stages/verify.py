@@ -222,6 +222,7 @@ class Verifier(Stage):
         lm, layout, n = self.lm, kv.layout, tokens.shape[0]
         vocab = self.vocab or len(lm.tokenizer)
         before = len(self.committed)
+        want_features = bool(proposal.meta.get("features"))
         with ctx.timer("verify") as verify:
             pending = torch.tensor(self.committed[self.in_cache:], dtype=torch.long)
             m = pending.shape[0]
@@ -229,11 +230,14 @@ class Verifier(Stage):
             if m:      # one tree: the pending chain, the candidates under its last token
                 ids = torch.cat([pending, tokens])
                 tree = torch.cat([torch.arange(m) - 1, torch.where(parents < 0, m - 1, parents + m)])
-                logits = lm.score_tree(kv.cache, ids, tree, start, layout)[m - 1:, :vocab]      # [n+1, V]
+            else:
+                ids, tree = tokens, parents
+            logits, states = lm.score_tree(kv.cache, ids, tree, start, layout, hidden=True)
+            if m:
+                logits = logits[m - 1:, :vocab]                                      # [n+1, V]
             else:
                 root = kv.logits if self.ahead is None else self.ahead
-                scored = lm.score_tree(kv.cache, tokens, parents, start, layout)
-                logits = torch.cat([root[None, :vocab], scored[:, :vocab]])
+                logits = torch.cat([root[None, :vocab], logits[:, :vocab]])
             self.ahead = None
             if self.sampling.greedy:
                 path, token = tree_greedy_verify(tokens, parents, logits)
@@ -250,7 +254,11 @@ class Verifier(Stage):
                                            self.max_new_tokens)
         keep = min(before + len(path), len(self.committed))
         # the cache holds committed[:before] then the n nodes: keep the path's (up to `keep`)
-        lm.keep_path(kv.cache, n, path[:keep - before])
+        kept = path[:keep - before]
+        lm.keep_path(kv.cache, n, kept)
+        features = None
+        if want_features:     # the states of what this forward cached and kept: pending, then the path
+            features = torch.cat([states[:m], states[m:][torch.tensor(kept, dtype=torch.long)]]).detach()
         self.in_cache = keep
         self.rounds += 1
         self.accepted.append(keep - before)
@@ -260,7 +268,8 @@ class Verifier(Stage):
         if self.done:
             ctx.end("verdict")
             return {}
-        ctx.emit("verdict", Verdict(proposal.round, len(path), token, len(self.committed), verify_s=spent))
+        ctx.emit("verdict", Verdict(proposal.round, len(path), token, len(self.committed), verify_s=spent,
+                                    path=tuple(path), features=features))
         return {}
 
     def finish(self, ctx):

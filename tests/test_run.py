@@ -55,11 +55,12 @@ def run(*args, timeout=240):
 def test_every_experiment_composes_and_validates(name):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=[f"+experiment={name}"])
-    if cfg.get("train"):       # train_toy runs the trainer, not a graph: its keys must parse (and check)
+    if cfg.get("train"):       # train_* run a trainer, not a graph: their keys must parse (and check)
         from omegaconf import OmegaConf
 
-        from zoo.train.config import parse
-        parse(OmegaConf.to_container(cfg.train, resolve=True))
+        from zoo.train.recipes import check, recipe_of
+
+        check(*recipe_of(OmegaConf.to_container(cfg.train, resolve=True)))
         return
     spec, plan = prepare(cfg)  # the whole validation, no stage is built
     assert spec.nodes and plan.nodes

@@ -27,9 +27,9 @@ def composed(overrides: list[str], hydra_config: bool = False):
 def validate(cfg) -> None:
     """What `python -m run` checks before it builds anything."""
     if cfg.get("train"):
-        from zoo.train.config import parse
+        from zoo.train.recipes import check, recipe_of
 
-        parse(OmegaConf.to_container(cfg.train, resolve=True))
+        check(*recipe_of(OmegaConf.to_container(cfg.train, resolve=True)))
     else:
         prepare(cfg, n_cuda=0)
 

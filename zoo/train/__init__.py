@@ -8,6 +8,9 @@
     data     the toy recipe's examples and batches
     labels   its training-only targets
     losses   its loss terms, as pure functions
+    sparrow  Sparrow's draft head on a target's hidden states (models.sparrow)
+    recipes  which recipe a `train:` block runs, and its key check
 
     python -m run +experiment=train_toy train.model=qwen-target      # zoo.train.toy.train
+    python -m run +experiment=train_sparrow model=toy_qwen           # zoo.train.sparrow.train
 """

@@ -1,0 +1,97 @@
+"""Sparrow on the executor: the dynamic draft tree's structure, and greedy decoding through the
+sparrow graph (target prefill with taps → head drafts a tree or a chain → the target verifies the
+tree) token-identical to the target's own `generate()`, for both shipped toy targets, with the head
+attending to text only (VATA) and to the video's mid-layer states too. The heads here are
+untrained (random): losslessness may not depend on the head; the shipped heads' figures are
+bench_sparrow's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from graph.executor import Executor
+from models.load import load_model
+from models.registry import release_all
+from models.sparrow import HeadCache, SparrowConfig, SparrowHead
+from stages.sparrow import draft_tree
+from stages.tree import check_tree
+from stages.types import Request
+from tests.helpers import make, node
+from tests.stages.test_generate import reference_ids
+from zoo.shapes import FPS
+from zoo.videos import make_video
+
+PROMPT = "describe the video ."
+TARGETS = {"qwen2_5_vl": "zoo/weights/qwen-target", "llava_onevision": "zoo/weights/llava-target"}
+
+
+def random_head(lm, path, vata=True, seed=0):
+    torch.manual_seed(seed)
+    head = SparrowHead(SparrowConfig.of_target(lm, tap_layer=lm.n_layers // 2, vata=vata))
+    head.save(path)
+    return str(path)
+
+
+@torch.inference_mode()
+def test_the_dynamic_tree_is_a_tree_of_the_heads_best_and_leaves_the_cache_as_it_was():
+    lm = load_model(TARGETS["qwen2_5_vl"])
+    torch.manual_seed(1)
+    head = SparrowHead(SparrowConfig.of_target(lm)).eval()
+    cache = HeadCache.empty(head)
+    z = torch.randn(5, head.config.hidden)
+    top = head(cache, z, torch.arange(5))[-1]
+    keys = cache.keys.clone()
+    tokens, parents, facts = draft_tree(head, lm, cache, top, 5, total=20, depth=4, topk=3, vocab=lm.vocab_size)
+    check_tree(tokens, parents)                                   # parents first, distinct siblings
+    assert len(tokens) == facts["nodes"] <= 20 and 2 <= facts["depth"] <= 4
+    assert cache.length == 5 and torch.equal(cache.keys, keys)
+    roots = set(tokens[parents < 0].tolist())
+    assert roots <= set(lm.lm_head(top).topk(3).indices.tolist()) and roots
+    chain_like = draft_tree(head, lm, cache, top, 5, total=4, depth=4, topk=1, vocab=lm.vocab_size)
+    assert chain_like[1].tolist() == [-1, 0, 1, 2]                # topk 1: the head's greedy chain
+
+
+def sparrow_nodes(target: dict, head: str, *, tree=True, max_new_tokens=24, taps=(3, 6)):
+    return {
+        "source": node("stages.source.Source"),
+        "decode": node("stages.decode.QuickCodec", inputs={"request": "source.request"}, fps=target["fps"],
+                       size=target["size"], group_frames=8, workers=1),
+        "encode": node("stages.encode.VisionEncoder", on="target", inputs={"group": "decode.group"},
+                       model=target, fps=target["fps"]),
+        "prefill": node("stages.prefill.Prefill", on="target", inputs={"tokens": "encode.tokens", "request": "source.request"},
+                        model=target, max_new_tokens=max_new_tokens, taps=list(taps)),
+        "draft": node("stages.sparrow.SparrowDraft", on="target",
+                      inputs={"taps": "prefill.taps", "verdict": {"from": "verify.verdict", "feedback": True, "prime": 1}},
+                      model=target, head=head, total=12, depth=3, topk=3, tree=tree, max_new_tokens=max_new_tokens),
+        "verify": node("stages.verify.Verifier", on="target", inputs={"kv": "prefill.kv", "proposal": "draft.proposal"},
+                       model=target, max_new_tokens=max_new_tokens),
+    }
+
+
+@pytest.mark.parametrize("arch", list(TARGETS))
+@pytest.mark.parametrize("variant", ["tree", "chain", "no_vata"])
+def test_greedy_sparrow_is_token_identical_to_generate(arch, variant, tmp_path):
+    target = {"path": TARGETS[arch], "fps": FPS[arch], "size": 84, "name": "target"}
+    lm = load_model(target["path"])
+    head = random_head(lm, tmp_path / "head", vata=variant != "no_vata")
+    video = tmp_path / "v.mp4"
+    make_video(31, 16, 2, 84, video)
+    spec, plan = make(sparrow_nodes(target, head, tree=variant != "chain"))
+    try:
+        with Executor(spec, plan, progress=False) as ex:
+            tokens = ex.run(Request("v", str(video), PROMPT)).outputs["verify.tokens"]
+    finally:
+        release_all()
+    ref = reference_ids(target, str(video), PROMPT, 24)
+    assert tokens.ids == ref[:len(tokens.ids)] and (len(tokens.ids) == 24 or tokens.ids[-1] in lm.eos_ids)
+    meta = tokens.details()
+    assert meta["rounds"] >= 1 and meta["draft_prefill"]["vata"] == (variant != "no_vata")
+
+
+def test_dataclass_config_round_trips():
+    lm = load_model(TARGETS["qwen2_5_vl"])
+    c = SparrowConfig.of_target(lm, tap_layer=3)
+    assert SparrowConfig(**dataclasses.asdict(c)) == c and c.hidden == lm.text_config.hidden_size
