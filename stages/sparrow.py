@@ -98,24 +98,30 @@ def draft_chain(head: SparrowHead, lm, cache: HeadCache, top: torch.Tensor, posi
 class SparrowDraft(Stage):
     """model: the target entry (the head shares its embedding and LM head); head: the head's
     directory; total, depth, topk: the dynamic tree (the seed's 30-4-8, 48-5-10, 25-5-8);
-    tree: false drafts a chain of `depth`; max_new_tokens: as the verifier's."""
+    tree: false drafts a chain of `depth`; vata: null (the head's own setting) or false, the
+    ablation where the head also attends to the video's layer-m* states; max_new_tokens: as the
+    verifier's."""
 
     placement = "gpu"
     inputs = {"taps": In(Taps), "verdict": In(Verdict, stream=True)}
     outputs = {"proposal": Out(Proposal, stream=True)}
 
     def __init__(self, model: dict, head: str, total: int = 30, depth: int = 4, topk: int = 8, tree: bool = True,
-                 max_new_tokens: int = 256):
+                 vata: bool | None = None, max_new_tokens: int = 256):
         if not (total >= 1 and depth >= 1 and topk >= 1):
             raise ValueError(f"the tree needs total, depth and topk ≥ 1, got {total}-{depth}-{topk}")
         self.model, self.head_path = dict(model), head
         self.total, self.depth, self.topk, self.tree = total, depth, topk, bool(tree)
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens, self.vata_setting = max_new_tokens, vata
         self.lm = self.head = None
 
     def setup(self, ctx) -> None:
         self.lm = get_model(self.model, ctx.device)
         self.head = SparrowHead.load(self.head_path, self.lm)
+        self.vata = self.head.config.vata if self.vata_setting is None else bool(self.vata_setting)
+        if not self.vata and not self.head.config.tap_layer:
+            raise ValueError(f"{self.head_path}: without VATA the head reads the video's layer-m* states, "
+                             "and this head names no m* (tap_layer)")
         self._reset()
 
     def _reset(self) -> None:
@@ -127,6 +133,7 @@ class SparrowDraft(Stage):
         self.top = None                    # the head's output for the last token it has run
         self.proposed: torch.Tensor | None = None
         self.pending = 0                   # committed tokens the target has not cached (its own last token)
+        self.head_s = [0.0, 0]             # the head's time per round after the first: sum, count
 
     def start_run(self, ctx) -> None:
         self._reset()
@@ -134,7 +141,7 @@ class SparrowDraft(Stage):
     @torch.inference_mode()
     def __call__(self, ctx, taps: Taps, verdict: Verdict | None):
         lm, head = self.lm, self.head
-        with ctx.timer("head"):
+        with ctx.timer("head") as timer:
             if self.cache is None:
                 self._prefill(taps)
             if verdict is not None:
@@ -152,10 +159,14 @@ class SparrowDraft(Stage):
                                                      depth=self.depth, vocab=vocab)
         self.round += 1
         self.proposed = tokens
+        if self.round > 1:            # the head's work for a round (catch-up and drafting), as Tq is reported
+            self.head_s = [self.head_s[0] + timer.seconds, self.head_s[1] + 1]
         meta = {"features": True, "tree_nodes": facts["nodes"]}
+        if self.head_s[1]:
+            meta["tq_s"] = self.head_s[0] / self.head_s[1]
         if self.round == 1:
             meta |= {"draft_model": f"sparrow head {self.head_path}", "draft_prefill": {"mode": "text only",
-                     "vata": head.config.vata, "head_tokens": self.cache.length}}
+                     "vata": self.vata, "head_tokens": self.cache.length}}
         ctx.emit("proposal", Proposal(self.round, self.committed, tokens, None, meta, parents=parents))
         return {}
 
@@ -170,7 +181,10 @@ class SparrowDraft(Stage):
         text[0] = False                                                        # no feature before the first token
         rows = text.nonzero().squeeze(1)
         self.cache = HeadCache.empty(head)
-        if not c.vata:
+        if not self.vata:
+            if c.tap_layer not in taps.layers:
+                raise ValueError(f"without VATA the head needs the target's layer {c.tap_layer} as a tap; the "
+                                 f"prefill publishes {sorted(taps.layers)} (model.sparrow_taps)")
             video = taps.layers[c.tap_layer][layout.video].to(lm.device, lm.dtype)
             head(self.cache, video, torch.arange(-video.shape[0], 0))
         z = head.fuse(lm.embed(layout.ids[rows]), final[rows - 1])

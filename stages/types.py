@@ -144,7 +144,9 @@ class SpeculativeStats:
     it drafted) to the next, or to the end, each give one run of tokens, and this is their mean
     length; acceptance: accepted over drafted tokens; Tp: the target's verification of a round; Tq:
     the draft's forward for one drafted token (both timed by the engine); pre_verify_rounds: rounds
-    of one token drafted right after a rollback (ParallelVLM's pre-verify mode, stages/draft.py)."""
+    of one token drafted right after a rollback (ParallelVLM's pre-verify mode, stages/draft.py).
+    For a tree proposal a round's `drafted` is the tree's depth (the most it could accept), so
+    per_position_acceptance is the acceptance by depth, and `tree_nodes` its size."""
 
     committed: int                  # tokens committed in all
     accepted: tuple = ()            # per round: draft tokens accepted
@@ -154,6 +156,7 @@ class SpeculativeStats:
     tq_s: float | None = None       # the draft's mean time per drafted token
     stale_proposals: int = 0        # rounds drafted ahead on a prefix the target did not commit
     pre_verify_rounds: int = 0      # one-token rounds right after a rollback (pre-verify)
+    tree_nodes: tuple = ()          # per round of a tree proposal: its nodes (`drafted` is then its depth)
 
     @property
     def rounds(self) -> int:
@@ -182,7 +185,8 @@ class SpeculativeStats:
                 "window_mean": round(sum(self.windows) / len(self.windows), 3) if self.windows else None,
                 "window_last": self.windows[-1] if self.windows else None,
                 "tp_ms": round(1000 * sum(self.verify_s) / len(self.verify_s), 3) if self.verify_s else None,
-                "tq_ms": round(1000 * self.tq_s, 3) if self.tq_s else None}
+                "tq_ms": round(1000 * self.tq_s, 3) if self.tq_s else None,
+                **({"tree_nodes_mean": round(sum(self.tree_nodes) / len(self.tree_nodes), 2)} if self.tree_nodes else {})}
 
 
 @dataclass(frozen=True)

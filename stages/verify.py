@@ -39,6 +39,7 @@ import torch
 from graph.stage import In, Out, Stage
 from models.registry import get_model
 from models.sampling import Sampling, sample
+from models.lean import tree_depths
 from stages.tree import check_tree, tree_greedy_verify, tree_sample_verify
 from stages.types import KV, Proposal, SpeculativeStats, Tokens, Verdict
 
@@ -130,6 +131,7 @@ class Verifier(Stage):
         self.pre_verify = 0                    # rounds the draft marked as pre-verify
         self.ahead: torch.Tensor | None = None  # judge_ahead: the logits [V] after a round accepted whole
         self.judged_ahead = 0                  # rounds accepted whole that left their next token to the draft
+        self.tree_nodes: list[int] = []        # per tree round: its size
 
     def start_run(self, ctx) -> None:
         self._reset()
@@ -247,7 +249,9 @@ class Verifier(Stage):
                                                  self.rng, q)
         spent = verify.seconds
         self.verify_s.append(spent)
-        self.windows.append(int(n))
+        depth = int(tree_depths(parents).max()) + 1
+        self.windows.append(depth)
+        self.tree_nodes.append(int(n))
         if "tq_s" in proposal.meta:
             self.tq_s = proposal.meta["tq_s"]
         self.committed, self.done = commit(self.committed, tokens[path].tolist(), token, lm.eos_ids,
@@ -262,7 +266,7 @@ class Verifier(Stage):
         self.in_cache = keep
         self.rounds += 1
         self.accepted.append(keep - before)
-        self.drafted.append(int(n))
+        self.drafted.append(depth)
         if before == 0:
             ctx.emit("first", Tokens(self.committed[:1]))
         if self.done:
@@ -276,7 +280,7 @@ class Verifier(Stage):
         lm = self.lm
         ids = self.committed
         stats = SpeculativeStats(len(ids), tuple(self.accepted), tuple(self.drafted), tuple(self.windows),
-                                 tuple(self.verify_s), self.tq_s, self.stale, self.pre_verify)
+                                 tuple(self.verify_s), self.tq_s, self.stale, self.pre_verify, tuple(self.tree_nodes))
         meta = {"model": lm.name, **self.info,
                 "stopped": "eos" if ids and ids[-1] in lm.eos_ids else "max_new_tokens"}
         if self.judge_ahead:
