@@ -14,7 +14,9 @@ an input; its text positions are numbered 0, 1, ... as at inference):
   against h_t) + `ce_weight` × the cross-entropy of lm_head(ĥ_t) against the target's
   distribution softmax(lm_head(h_t)) (EAGLE's loss and weight 0.1);
 - IVSB (`ivsb`): the video's layer-m* states are a prefix of the head's input sequence, at
-  positions −V .. −1, in both passes;
+  positions −V .. −1, in both passes; `ivsb_drop` of the examples go without it, as the head
+  drafts with VATA (on the toy, a head trained always with the prefix and drafting without it
+  accepted far less: docs/results/2026-11-25-sparrow.md);
 - MTP (`mtp`): a second pass feeds the head its own first-pass outputs in place of h_{t-1} where
   the previous position is text (z_rec = FC(e_t ⊕ ĥ_{t-1})), with the same loss: what the head
   sees from its second drafted token on.
@@ -58,6 +60,7 @@ class SparrowTrainConfig:
     batch_examples: int = 4                     # examples per step
     ce_weight: float = 0.1                      # the token cross-entropy beside the feature regression
     ivsb: bool = True
+    ivsb_drop: float = 0.0                      # the share of examples trained without the IVSB prefix
     mtp: bool = True
     vata: bool = True                           # how the saved head attends at inference (false: an ablation)
     tap_layer: int = 0                          # m* (0: half the target's layers)
@@ -70,6 +73,8 @@ class SparrowTrainConfig:
             out.append(f"seconds={list(self.seconds)}: a range [low, high] of positive lengths")
         if self.batch_examples < 1:
             out.append(f"batch_examples={self.batch_examples}: at least 1")
+        if not 0.0 <= self.ivsb_drop <= 1.0:
+            out.append(f"ivsb_drop={self.ivsb_drop}: a share of the examples, in [0, 1]")
         return out
 
 
@@ -192,13 +197,15 @@ class SparrowRecipe(loop.Recipe):
         regress = ce = torch.zeros(())
         passes = 0
         for item in batch:
-            first = self._pass(item, item["prev"], c.ivsb)
+            # with VATA the head drafts without the prefix: `ivsb_drop` of the examples train that way too
+            prefix = c.ivsb and float(torch.rand(())) >= c.ivsb_drop
+            first = self._pass(item, item["prev"], prefix)
             r, x = self._terms(first, item)
             regress, ce, passes = regress + r, ce + x, passes + 1
             if c.mtp:     # the head's own outputs in place of the target's where the previous is text
                 own = torch.cat([item["prev"][:1], first[:-1]])
                 prev = torch.where(item["prev_is_text"][:, None], own, item["prev"])
-                r, x = self._terms(self._pass(item, prev, c.ivsb), item)
+                r, x = self._terms(self._pass(item, prev, prefix), item)
                 regress, ce, passes = regress + r, ce + x, passes + 1
         regress, ce = regress / passes, ce / passes
         return {"loss": regress + c.ce_weight * ce, "regress": regress, "ce": ce}
