@@ -73,7 +73,7 @@ def kept_rows(layout, alpha: float) -> torch.Tensor:
 
 
 def measure(lm, n_video: int, *, steps: int, repeats: int, ks: tuple[int, ...], alpha: float = 0.0,
-            paths: tuple[str, ...] = ("lean",)) -> dict:
+            paths: tuple[str, ...] = ("lean",), sparrow: dict | None = None) -> dict:
     """Every timing of one model at one context (see the module doc); with `alpha` > 0 the cache
     holds the prompt with that share of its video pruned, at the kept tokens' own positions."""
     device = lm.device
@@ -104,7 +104,8 @@ def measure(lm, n_video: int, *, steps: int, repeats: int, ks: tuple[int, ...], 
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if torch.device(device).type == "cuda" else None
     floor_ms = 1000 * step_bytes(lm, cache) / copy_bandwidth(device, repeats)
     main = paths[-1]
-    return {"n_video": layout.n_video, "alpha": alpha, "cached": embeds.shape[0], "context": layout.length,
+    head = sparrow_costs(lm, cache, layout, token, position, repeats, **sparrow) if sparrow else None
+    return {"sparrow": head, "n_video": layout.n_video, "alpha": alpha, "cached": embeds.shape[0], "context": layout.length,
             "n_frames": n_frames, "frame_hw": list(hw),
             "encode_s": encode_s, "prefill_s": statistics.median(prefills), "path": main,
             "step_ms": step_ms[main], "verify_ms": verify_ms[main], "floor_ms": floor_ms,
@@ -139,6 +140,43 @@ def _verifications(lm, cache, layout, token: int, position: int, ks, repeats: in
             times.append(seconds)
         verify[k] = 1000 * statistics.median(times[1:])
     return verify
+
+
+@torch.inference_mode()
+def sparrow_costs(lm, cache, layout, token: int, position: int, repeats: int, *, total: int = 30, depth: int = 4,
+                  topk: int = 8, text: int = 64) -> dict:
+    """Sparrow's round at this context: a head shaped for `lm` (random weights) over a text-only
+    cache of `text` tokens (VATA: it does not grow with the video) takes one step (a catch-up row)
+    and drafts a `total`-`depth`-`topk` dynamic tree; the target verifies a tree of `total` nodes
+    over its whole cache. Medians of `repeats` + 1 (the first untimed)."""
+    from models.sparrow import HeadCache, SparrowConfig, SparrowHead
+    from stages.cost import bushy_tree
+    from stages.sparrow import draft_tree
+
+    torch.manual_seed(0)
+    head = SparrowHead(SparrowConfig.of_target(lm)).to(lm.device, lm.dtype).eval()
+    head_cache = HeadCache.empty(head)
+    z = torch.randn(text + 1, lm.text_config.hidden_size, device=lm.device, dtype=lm.dtype)
+    top = head(head_cache, z[:text], torch.arange(text))[-1]
+
+    def step():
+        head(head_cache, z[text:], torch.tensor([text]))
+        head_cache.crop(text)
+
+    def tree():
+        draft_tree(head, lm, head_cache, top, text, total=total, depth=depth, topk=topk, vocab=lm.vocab_size)
+
+    ids, parents = torch.full((total,), token), bushy_tree(total, topk)
+
+    def verify():
+        lm.score_tree(cache, ids, parents, position, layout, hidden=True)
+        lm.drop_last(cache, total)
+
+    timed = {}
+    for name, fn in (("head_step_ms", step), ("head_tree_ms", tree), ("tree_verify_ms", verify)):
+        times = [_timed(fn, lm.device)[0] for _ in range(repeats + 1)]
+        timed[name] = 1000 * statistics.median(times[1:])
+    return {"shape": f"{total}-{depth}-{topk}", "text_tokens": text, **timed}
 
 
 @contextlib.contextmanager
@@ -184,8 +222,8 @@ def label(n: int, alpha: float) -> str:
 
 
 def run_benchmark(models, contexts, *, device="cuda", dtype="bfloat16", attn="sdpa", steps=32, repeats=2,
-                  ks=(2, 4, 8, 16), pair=None, alphas=(0.0, 0.5, 0.9), gamma=8, paths=None,
-                  out: Path | None = None) -> dict:
+                  ks=(2, 4, 8, 16), pair=None, alphas=(0.0, 0.5, 0.9), gamma=8, paths=None, sparrow: dict | None = None,
+                  taus=(2.5, 3.0, 4.5), out: Path | None = None) -> dict:
     contexts = sorted(set(contexts))
     plan = {m: [(n, 0.0) for n in contexts] for m in models}
     if pair:
@@ -206,7 +244,7 @@ def run_benchmark(models, contexts, *, device="cuda", dtype="bfloat16", attn="sd
             bar.set_postfix_str(f"{path.removeprefix('random:')} {label(n, alpha)}")
             try:
                 entry["contexts"][label(n, alpha)] = measure(lm, n, steps=steps, repeats=repeats, ks=ks, alpha=alpha,
-                                                             paths=paths)
+                                                             paths=paths, sparrow=sparrow if not alpha else None)
             except torch.OutOfMemoryError as e:
                 entry["contexts"][label(n, alpha)] = {"error": "out of memory: " + str(e).splitlines()[0]}
             if on_gpu:
@@ -219,6 +257,8 @@ def run_benchmark(models, contexts, *, device="cuda", dtype="bfloat16", attn="sd
     bar.close()
     if pair:
         results["speculative"] = speculative_table(results, pair, contexts, alphas, gamma)
+    if sparrow:
+        results["sparrow"] = sparrow_table(results, taus)
     if out is not None:
         write(results, out)
     return results
@@ -241,6 +281,22 @@ def speculative_table(results: dict, pair, contexts, alphas, gamma: int) -> list
             rows.append({"n_video": t["n_video"], "alpha": a, "draft_cached": d["cached"], "tp_ms": tp,
                          "target_step_ms": t["step_ms"], "tq_ms": d["step_ms"], "c": c,
                          "eq7": {tau: tau * c for tau in (0.5, 0.7, 0.9)}})
+    return rows
+
+
+def sparrow_table(results: dict, taus) -> list[dict]:
+    """Sparrow's projected decode speedup per model and context: τ tokens a round (the toy's
+    measured M, given) over the round's time (the target's tree verification, the head's tree and
+    one catch-up step) against one target step a token."""
+    rows = []
+    for path, entry in results["models"].items():
+        for r in entry["contexts"].values():
+            s = r.get("sparrow")
+            if not s:
+                continue
+            round_ms = s["tree_verify_ms"] + s["head_tree_ms"] + s["head_step_ms"]
+            rows.append({"model": path.removeprefix("random:"), "n_video": r["n_video"], "step_ms": r["step_ms"],
+                         **s, "round_ms": round_ms, "projected": {tau: tau * r["step_ms"] / round_ms for tau in taus}})
     return rows
 
 
@@ -270,6 +326,14 @@ def markdown(results: dict) -> str:
             eq7 = " / ".join(f"{v:.1f}" for v in r["eq7"].values())
             lines.append(f"| {r['n_video']} | {r['alpha']:g} | {r['draft_cached']} | {r['tp_ms']:.1f} | "
                          f"{r['target_step_ms']:.1f} | {r['tq_ms']:.1f} | {r['c']:.2f} | {eq7} |")
+    if results.get("sparrow"):
+        taus = list(results["sparrow"][0]["projected"])
+        lines += ["", "| model | video tokens | tree | target step ms | tree verify ms | head step ms | head tree ms | "
+                  f"projected speedup at τ = {' / '.join(f'{t:g}' for t in taus)} |", "|---|---|---|---|---|---|---|---|"]
+        for r in results["sparrow"]:
+            proj = " / ".join(f"{v:.2f}" for v in r["projected"].values())
+            lines.append(f"| {r['model']} | {r['n_video']} | {r['shape']} | {r['step_ms']:.2f} | {r['tree_verify_ms']:.2f} | "
+                         f"{r['head_step_ms']:.2f} | {r['head_tree_ms']:.2f} | {proj} |")
     return "\n".join(lines) + "\n"
 
 
@@ -328,6 +392,11 @@ def main(argv=None) -> None:
     parser.add_argument("--paths", nargs="+", choices=("forward", "lean"),
                         help="decode paths to time (default: both on a GPU, lean on the CPU); "
                              "verifications and Tp use the last")
+    parser.add_argument("--sparrow", action="store_true",
+                        help="also Sparrow's round: a head shaped for each model, its tree, the target's tree verification")
+    parser.add_argument("--tree", nargs=3, type=int, default=[30, 4, 8], metavar=("TOTAL", "DEPTH", "TOPK"))
+    parser.add_argument("--tau", nargs="+", type=float, default=[2.5, 3.0, 4.5],
+                        help="tokens per round to project Sparrow's speedup at (the toy's measured M)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if torch.device(args.device).type != "cuda":
@@ -336,7 +405,9 @@ def main(argv=None) -> None:
     ks = tuple(sorted({2, 4, args.gamma, 16}))
     results = run_benchmark(args.models, args.contexts, device=args.device, dtype=args.dtype, attn=args.attn,
                             steps=args.steps, repeats=args.repeats, ks=ks, pair=args.pair, alphas=args.alphas,
-                            gamma=args.gamma, paths=args.paths, out=out)
+                            gamma=args.gamma, paths=args.paths,
+                            sparrow=dict(zip(("total", "depth", "topk"), args.tree)) if args.sparrow else None,
+                            taus=tuple(args.tau), out=out)
     print(markdown(results))
     print(f"written to {out}")
 

@@ -41,3 +41,13 @@ def test_a_run_times_every_context_and_builds_the_speculative_table(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["speculative"]
     assert "c* = Tp/Tq" in (tmp_path / "table.md").read_text()
     assert (tmp_path / "realsize.png").stat().st_size > 0
+
+
+def test_sparrow_costs_and_the_projection(tmp_path):
+    results = run_benchmark([SMALLER], [256], device="cpu", dtype="float32", steps=2, repeats=1, ks=(2,),
+                            sparrow={"total": 10, "depth": 3, "topk": 3}, taus=(2.0, 4.0), out=tmp_path)
+    (row,) = results["sparrow"]
+    assert row["shape"] == "10-3-3" and row["tree_verify_ms"] > 0 and row["head_tree_ms"] > 0
+    assert row["round_ms"] == row["tree_verify_ms"] + row["head_tree_ms"] + row["head_step_ms"]
+    assert abs(row["projected"][4.0] - 2 * row["projected"][2.0]) < 1e-9
+    assert "projected speedup at τ = 2 / 4" in (tmp_path / "table.md").read_text()
