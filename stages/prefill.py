@@ -10,6 +10,10 @@ Every token is prefilled at its position in the unpruned prompt (models.adapter.
 both modes give the same cache up to float rounding when nothing is pruned, and a pruned cache
 decodes at the logical positions: the KV's logical length counts the pruned tokens.
 
+Taps (the hidden states after chosen layers, for a draft that reads the target's states) cover
+every prompt row in both modes: in groups mode each row's state is the one the pruned prefill
+computed, collected group by group and published when the text after the video is done.
+
 Groups are `group_frames` frames (rounded up to the model's temporal patch, 2 frames for
 Qwen2.5-VL), cut from the incoming visual tokens whatever the decoder's own group size, so the
 decoder's streaming grain and the prefill's memory grain are separate knobs. Peak activation
@@ -60,8 +64,6 @@ class Prefill(Stage):
         self.group_frames, self.measure_memory = group_frames, measure_memory
         self.prune = dict(prune) if prune else None
         self.taps = sorted(int(t) for t in (taps or []))
-        if self.taps and mode != "one_shot":
-            raise ValueError("taps are published by the one-shot prefill (mode=one_shot)")
         if self.taps and self.taps[0] < 0:
             raise ValueError(f"taps are layer numbers ≥ 0 (0: the embeddings), got {self.taps}")
         self.fastv = dict(fastv) if fastv else None
@@ -83,6 +85,8 @@ class Prefill(Stage):
 
     def setup(self, ctx) -> None:
         self.lm = get_model(self.model, ctx.device)
+        if self.taps and self.taps[-1] > self.lm.text_config.num_hidden_layers:
+            raise ValueError(f"taps {self.taps}: {self.lm.name} has {self.lm.text_config.num_hidden_layers} layers")
         self._reset()
 
     def _reset(self) -> None:
@@ -90,6 +94,7 @@ class Prefill(Stage):
         self.frames, self.cache, self.done, self.video_done = 0, None, 0, 0
         self.meta, self.groups, self.peaks, self.step_tokens = None, 0, [], 0
         self.pruner = GroupKVPrune(**self.prune) if self.prune else None
+        self.tapped: dict[int, list[torch.Tensor]] = {layer: [] for layer in self.taps}   # groups mode: chunks so far
 
     def _layout(self, request: Request, frames: int):
         prompt = request.prompt if request and request.prompt else DEFAULT_PROMPT
@@ -146,7 +151,8 @@ class Prefill(Stage):
         # is this implementation's cost, not the group's
         with PeakMemory(self.lm.device) if self.measure_memory else _NoProbe() as probe:
             self.lm.prefill(self.cache, self.lm.embed(layout.ids[self.done:stop], embeds, offset),
-                            layout.positions[:, self.done:stop], logits="none")
+                            layout.positions[:, self.done:stop], logits="none", taps=self.taps,
+                            on_tap=lambda layer, hidden: self.tapped[layer].append(hidden))
         if self.pruner is not None:
             self._prune_group(layout, n)
         self.peaks.append(probe.peak_bytes)
@@ -188,7 +194,8 @@ class Prefill(Stage):
                 ctx.emit("attention", Taps(probs, layout=layout, model=self.lm.name))
         else:
             layout = self._layout(request, self.frames)
-            logits = self.lm.prefill(self.cache, self.lm.embed(layout.ids[self.done:]), layout.positions[:, self.done:])
+            logits = self.lm.prefill(self.cache, self.lm.embed(layout.ids[self.done:]), layout.positions[:, self.done:],
+                                     taps=self.taps, on_tap=self._tap_publisher(ctx, layout, self.tapped))
         lengths = self.lm.layer_lengths(self.cache)
         text = layout.length - layout.n_video
         kept = [n - text for n in lengths]
@@ -215,18 +222,18 @@ class Prefill(Stage):
             return torch.cat([torch.arange(start), video, torch.arange(end, layout.length)])
         return choose
 
-    def _tap_publisher(self, ctx, layout):
-        """on_tap for the adapter: collects the requested layers' hidden states and publishes them
-        the moment the last of them is done, while the forward goes on (ParallelVLM's draft
-        prunes and prefills during the rest of the target's prefill)."""
+    def _tap_publisher(self, ctx, layout, before: dict[int, list[torch.Tensor]] | None = None):
+        """on_tap for the adapter: collects the requested layers' hidden states [length, hidden]
+        and publishes them the moment the last of them is done, while the forward goes on
+        (ParallelVLM's draft prunes and prefills during the rest of the target's prefill).
+        before: the groups mode's chunks of the earlier rows, per layer (each row's state as the
+        pruned prefill computed it; the cache is pruned, these rows are not)."""
         if not self.taps:
             return None
-        if self.taps[-1] > self.lm.text_config.num_hidden_layers:
-            raise ValueError(f"taps {self.taps}: {self.lm.name} has {self.lm.text_config.num_hidden_layers} layers")
         got: dict[int, torch.Tensor] = {}
 
         def on_tap(layer: int, hidden: torch.Tensor) -> None:
-            got[layer] = hidden
+            got[layer] = torch.cat([*before[layer], hidden]) if before else hidden
             if len(got) == len(self.taps):
                 ctx.emit("taps", Taps(dict(got), layout=layout, model=self.lm.name))
 

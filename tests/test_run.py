@@ -270,7 +270,7 @@ def test_every_speculative_bench_case_composes_and_validates(case):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["+experiment=bench_sd", f"method={case}"])
     spec, _ = prepare(cfg)
-    assert ("verify" in spec.nodes) == (case not in ("ar", "fastv"))   # fastv: the pruned target alone
+    assert ("verify" in spec.nodes) == (case not in ("ar", "fastv", "quickvideo"))   # fastv, quickvideo: a pruned target alone
 
 
 def test_speculative_methods_give_the_autoregressive_answer_on_the_sample(tmp_path):

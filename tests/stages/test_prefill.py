@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from graph.executor import Executor, StageFailed
-from models.load import load_model
 from models.registry import release_all
 from zoo.videos import make_video
 from zoo.shapes import FPS
@@ -226,3 +225,41 @@ def test_fastv_drops_visual_tokens_after_layer_k_only(tmp_path, keep):
             assert not torch.allclose(a, b, atol=1e-3)
     finally:
         release_all()
+
+
+class _TapCtx(_Ctx):
+    def __init__(self, item, request, sink):
+        super().__init__(item, request)
+        self.sink = sink
+
+    def emit(self, port, value):
+        self.sink[port] = value
+
+
+def test_group_prefill_publishes_taps_of_every_row_as_one_shot_does(qwen):
+    """A draft reading the target's states (Sparrow's head, UV-Prune) behind QuickPrefill: groups mode
+    publishes the chosen layers' states of every prompt row, and with nothing pruned they are the
+    one-shot prefill's (fp32; the groups only split the attention's sums differently, so the
+    difference is rounding: ~1e-6 of the layer's largest value here, 1e-5 of it leaves room for
+    other CPUs' kernels)."""
+    model, video = qwen
+    request = Request("v", video, PROMPT)
+    frames, _ = read_video(video, fps=2, size=84)
+    published = {}
+    for mode in ("one_shot", "groups"):
+        stage = Prefill(model, mode=mode, group_frames=8, taps=[0, 3, 6])
+        stage.setup(_Ctx(0, request))
+        sink = published[mode] = {}
+        for i, start in enumerate(range(0, 24, 8)):
+            last = start + 8 == 24
+            meta = {"frames": 8, "frame_hw": (84, 84), "fps": 2.0}
+            stage(_TapCtx(i, request, sink), VisualTokens(i, stage.lm.encode(frames[start:start + 8], last=last), meta,
+                                                         last=last), request)
+        assert "taps" not in sink                                     # not before the text after the video
+        stage.finish(_TapCtx(3, request, sink))
+    one_shot, grouped = published["one_shot"]["taps"], published["groups"]["taps"]
+    assert sorted(grouped.layers) == [0, 3, 6] and grouped.layout.length == one_shot.layout.length
+    for layer in (0, 3, 6):
+        assert grouped.layers[layer].shape == (one_shot.layout.length, stage.lm.text_config.hidden_size)
+        scale = float(one_shot.layers[layer].abs().max())            # the random model's residual stream reaches ~1e3
+        torch.testing.assert_close(grouped.layers[layer], one_shot.layers[layer], rtol=1e-4, atol=1e-5 * scale)
