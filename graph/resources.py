@@ -59,7 +59,7 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _allowed_cores() -> set[int]:
+def allowed_cores() -> set[int]:
     try:
         return set(os.sched_getaffinity(0))
     except AttributeError:
@@ -104,7 +104,7 @@ def load_resources(cfg: Any, n_cuda: int | None = None) -> tuple[dict[str, Resou
             continue
         affinity = pool.get("affinity")
         if affinity is not None:
-            allowed = _allowed_cores()
+            allowed = allowed_cores()
             affinity = tuple(int(c) for c in (affinity if isinstance(affinity, (list, tuple)) else [affinity]))
             if not affinity or not set(affinity) <= allowed:
                 problems.append(f"resource '{name}': affinity={list(affinity)}, but this process may run on cores "

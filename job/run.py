@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,9 +100,9 @@ def _details(tokens: Any) -> dict | None:
     return tokens.details() if callable(getattr(tokens, "details", None)) else dict(getattr(tokens, "meta", {}) or {})
 
 
-def summary_table(per_run: list[dict], summary: dict) -> str:
-    """Markdown: one row per request (its score, if any, and timings), the means, and the mean
-    busy time per stage."""
+def summary_table(per_run: list[dict], summary: dict, failed: list[dict] | None = None) -> str:
+    """Markdown: one row per request (its score, if any, and timings), the means, the requests that
+    failed with their errors, and the mean busy time per stage."""
     score_keys = list(per_run[0].get("score") or {})
     cols = ["request", *score_keys, "n_generated", "wall_s", "ttft_s", "decode_s"]
 
@@ -113,8 +114,11 @@ def summary_table(per_run: list[dict], summary: dict) -> str:
                   *[m.get(k) for k in cols[1 + len(score_keys):]]]
         return "| " + " | ".join(cell(v) for v in values) + " |"
 
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols), *[row(m) for m in per_run], row(summary, "**mean**"),
-             "", "| stage | mean busy_s | calls |", "|---|---|---|"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols), *[row(m) for m in per_run], row(summary, "**mean**")]
+    if failed:
+        lines += ["", "| failed request | attempts | error |", "|---|---|---|"]
+        lines += [f"| {f['request']} | {f['attempts']} | {' '.join(str(f['error']).split())[:300]} |" for f in failed]
+    lines += ["", "| stage | mean busy_s | calls |", "|---|---|---|"]
     for node, st in (summary.get("stages") or {}).items():
         lines.append(f"| {node} | {cell(st.get('busy_s'))} | {cell(st.get('calls'))} |")
     return "\n".join(lines) + "\n"
@@ -125,35 +129,63 @@ def _model_name(entry: Any) -> str | None:
 
 
 def run_job(cfg: DictConfig, requests: list[Any], run_dir: Path) -> dict[str, Any]:
+    """Run every request and write the run dir's files: in this process (cluster=local), or over a
+    pool of Ray workers (cluster=ray, job.ray_pool)."""
     run_dir = Path(run_dir)
     spec, plan = prepare(cfg)
     (run_dir / "plan.txt").write_text(plan.to_text())
     log.info("plan:\n%s", plan.to_text())
+    cluster = cfg.get("cluster") or {}
+    if cluster.get("kind", "local") == "ray":
+        from job.ray_pool import run_on_ray
+
+        return run_on_ray(cfg, requests, run_dir, spec, plan)
     ex_cfg = cfg.get("executor") or {}
     warmup = int(ex_cfg.get("warmup", 0))
     progress = ex_cfg.get("progress", None)
-    first_token = (cfg.get("graph") or {}).get("first_token")
-    answer = (cfg.get("graph") or {}).get("answer")
+    first_token, answer = graph_ports(cfg)
     results: list[RunResult] = []
     with Executor(spec, plan, cancel_timeout_s=float(ex_cfg.get("cancel_timeout_s", 10.0)), progress=progress,
                   record=tuple(p for p in (answer,) if p)) as ex:
         for _ in range(warmup):
             ex.run(requests[0])
+        t0 = time.perf_counter()
         for request in tqdm(requests, desc="requests", unit="req", disable=None if progress is None else not progress):
             results.append(ex.run(request))
+        elapsed = time.perf_counter() - t0
         setup_s = sum(c.t1 - c.t0 for c in ex.setup_calls)
-
     per_run = [run_metrics(r, spec, plan, first_token, answer) for r in results]
     first = results[0]
+    write_trace_files(cfg, run_dir, spec, plan, first.calls, first.t_start, per_run[0])
+    throughput = {"kind": "local", "requests": len(per_run), "elapsed_s": round(elapsed, 6),
+                  "throughput_rps": round(len(per_run) / elapsed, 6) if elapsed > 0 else None}
+    return write_metrics(cfg, run_dir, plan, per_run, setup_s=setup_s, warmup=warmup, cluster=throughput)
+
+
+def graph_ports(cfg: DictConfig) -> tuple[str | None, str | None]:
+    """The graph's first-token port and answer port (graph.first_token, graph.answer)."""
+    graph = cfg.get("graph") or {}
+    return graph.get("first_token"), graph.get("answer")
+
+
+def write_trace_files(cfg: DictConfig, run_dir: Path, spec: GraphSpec, plan: Plan, calls: list, t_start: float,
+                      m0: dict) -> None:
+    """trace.json and timeline.png of one run (the first request's)."""
     taps = {(n, p) for n, node in spec.nodes.items() for p, o in node.out_ports.items() if o.tap}
     res_names = [r.name for r in plan.resources]
-    write_trace(run_dir / "trace.json", chrome_trace(first.calls, first.t_start, res_names, taps,
+    write_trace(run_dir / "trace.json", chrome_trace(calls, t_start, res_names, taps,
                                                      {"experiment": cfg.get("experiment"), "runner": plan.runner}))
-    m0 = per_run[0]
     title = (f"{cfg.get('experiment') or 'run'} ({plan.runner}): wall {m0['wall_s']:.3f} s, "
              f"ideal overlapped {m0['ideal_wall_s']:.3f} s ({100 * (m0['efficiency'] or 0):.0f} %)")
-    plot_timeline(run_dir / "timeline.png", first.calls, first.t_start, res_names, taps, title)
+    plot_timeline(run_dir / "timeline.png", calls, t_start, res_names, taps, title)
 
+
+def write_metrics(cfg: DictConfig, run_dir: Path, plan: Plan, per_run: list[dict], *, setup_s: float, warmup: int,
+                  cluster: dict | None = None, failed: list[dict] | None = None) -> dict[str, Any]:
+    """metrics.json (and summary.md for several requests) from the requests' metrics, in request
+    order: the same files whether the requests ran here or on Ray workers. failed: rows of the
+    requests that have no result ({request, error, attempts}), listed in both files."""
+    m0 = per_run[0]
     model = OmegaConf.to_container(cfg.model, resolve=True) if cfg.get("model") else {}
     metrics: dict[str, Any] = {
         "experiment": cfg.get("experiment"),
@@ -166,11 +198,15 @@ def run_job(cfg: DictConfig, requests: list[Any], run_dir: Path) -> dict[str, An
         "memory": peak_memory(),
     }
     metrics["summary"] = mean_tree(per_run)     # with one request: its own figures (sweeps read summary.*)
-    if len(per_run) > 1:
+    if cluster:
+        metrics["cluster"] = cluster
+    if failed:
+        metrics["failed"] = failed
+    if len(per_run) > 1 or failed:
         metrics["runs"] = per_run
         metrics["wall_s_mean"] = round(sum(m["wall_s"] for m in per_run) / len(per_run), 6)
-        (run_dir / "summary.md").write_text(summary_table(per_run, metrics["summary"]))
-        log.info("%d requests; means: %s", len(per_run), ", ".join(
+        (run_dir / "summary.md").write_text(summary_table(per_run, metrics["summary"], failed))
+        log.info("%d requests%s; means: %s", len(per_run), f", {len(failed)} failed" if failed else "", ", ".join(
             f"{k} {v}" for k, v in {**metrics["summary"].get("score", {}), "wall_s": metrics["summary"].get("wall_s")}.items()))
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str))
     return metrics

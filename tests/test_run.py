@@ -161,11 +161,17 @@ def test_stage_failure_exits_1_and_names_node_and_item(tmp_path):
     assert "Traceback" in (tmp_path / "error.txt").read_text()
 
 
-@pytest.mark.parametrize("launcher", ["basic", "joblib"])
+@pytest.mark.parametrize("launcher", ["basic", "joblib", "ray_cluster"])
 def test_sweep_and_report(launcher, tmp_path):
+    """ray_cluster: Hydra's Ray launcher, each job a Ray task on a local Ray it starts and ends."""
+    from tests.job.test_ray_pool import ray_processes
+
+    before = ray_processes()
     out = run("-m", "+experiment=demo", *SMALL_DEMO, f"hydra/launcher={launcher}",
               "executor.runner=threaded,sequential", f"hydra.sweep.dir={tmp_path}")
     assert out.returncode == 0, out.stderr
+    assert ("Ray Launcher is launching 2 jobs" in out.stdout + out.stderr) == (launcher == "ray_cluster")
+    assert ray_processes() - before == set()
     for job in ("0", "1"):
         assert (tmp_path / job / "metrics.json").is_file()
     table = (tmp_path / "report.md").read_text()

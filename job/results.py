@@ -1,0 +1,125 @@
+"""The run dir's results.jsonl: one JSON line per finished request, written as each finishes, so a
+run that dies or is interrupted keeps what it did and `cluster.resume=true` goes on from there.
+
+    {"index": 3, "request": "s203-30s", "status": "ok", "attempts": 1, "worker": 0, "latency_s": ..., "metrics": {...}}
+    {"index": 4, "request": "s204-30s", "status": "failed", "attempts": 1, "error": "..."}
+
+One process (the driver) writes it. Each line goes out in a single append and is fsynced before the
+next request is counted as done, so after a crash the file holds whole lines and at most one torn
+last line, which `ResultLog` drops (and cuts off) when it opens the file again. The latest line of
+an index wins: a request that failed and was run again on resume has its new row.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+NAME = "results.jsonl"
+CARRIED = ("trace.json", "timeline.png")      # the first run's trace, carried over on resume
+
+
+class ResultLog:
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / NAME
+        self.rows: dict[int, dict] = {}
+        if self.path.exists():
+            self._load()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def _load(self) -> None:
+        data = self.path.read_bytes()
+        good = 0                                  # bytes up to the end of the last whole, valid line
+        for line in data.splitlines(keepends=True):
+            if not line.endswith(b"\n"):
+                break
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            self.rows[int(row["index"])] = row
+            good += len(line)
+        if good < len(data):
+            log.warning("%s: dropped a torn last line (%d bytes) left by an interrupted write", self.path,
+                        len(data) - good)
+            with open(self.path, "r+b") as f:
+                f.truncate(good)
+
+    def append(self, row: dict[str, Any]) -> None:
+        line = (json.dumps(row, default=str) + "\n").encode()
+        os.write(self._fd, line)                  # O_APPEND: one write, at the end
+        os.fsync(self._fd)
+        self.rows[int(row["index"])] = row
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> ResultLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def done(self) -> set[int]:
+        """Indices with a result (failed ones are run again on resume)."""
+        return {i for i, row in self.rows.items() if row.get("status") == "ok"}
+
+    def check_requests(self, ids: list[str]) -> None:
+        """The recorded rows must be of these requests at these places: resuming with other data
+        would mix two runs."""
+        for index, row in self.rows.items():
+            if index >= len(ids) or row.get("request") != ids[index]:
+                have = ids[index] if index < len(ids) else "nothing"
+                from graph.spec import ConfigError
+
+                raise ConfigError(f"{self.path}: row {index} is request {row.get('request')!r}, this run's is {have!r}: "
+                                  "the data differ from the run being resumed. Fix: the same data, or a new run dir")
+
+
+def task_overrides(run_dir: Path) -> list[str] | None:
+    """The command-line overrides a Hydra run dir was made with (.hydra/overrides.yaml)."""
+    import yaml
+
+    path = Path(run_dir) / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        return None
+    return list(yaml.safe_load(path.read_text()) or [])
+
+
+def same_command(overrides: list[str]) -> list[str]:
+    """The overrides that make a run what it is: not whether it resumes, not where it writes."""
+    return sorted(o for o in overrides if not o.lstrip("+~").startswith(("cluster.resume=", "hydra.run.dir=")))
+
+
+def find_resumable(run_dir: Path, overrides: list[str]) -> Path | None:
+    """The latest other run dir beside this one (Hydra's outputs/DATE/TIME_name layout) made by the
+    same command, with results to resume from."""
+    run_dir = Path(run_dir).resolve()
+    roots = {run_dir.parent, run_dir.parent.parent}
+    want = same_command(overrides)
+    found = []
+    for root in roots:
+        for path in list(root.glob(f"*/{NAME}")) + list(root.glob(f"*/*/{NAME}")):
+            candidate = path.parent.resolve()
+            if candidate == run_dir:
+                continue
+            theirs = task_overrides(candidate)
+            if theirs is not None and same_command(theirs) == want:
+                found.append((path.stat().st_mtime, candidate))
+    return max(found)[1] if found else None
+
+
+def adopt(previous: Path, run_dir: Path) -> None:
+    """Start this run dir from a previous run's results (and its trace), leaving that dir as it was."""
+    shutil.copyfile(Path(previous) / NAME, Path(run_dir) / NAME)
+    for name in CARRIED:
+        if (Path(previous) / name).exists() and not (Path(run_dir) / name).exists():
+            shutil.copyfile(Path(previous) / name, Path(run_dir) / name)
