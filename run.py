@@ -29,6 +29,7 @@ OmegaConf.register_new_resolver("first", lambda *xs: next((x for x in xs if x no
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     from graph.executor import StageFailed
+    from job.ray_pool import ClusterError
     from job.run import run_job
     from graph.spec import ConfigError
     from stages.source import load_requests
@@ -57,6 +58,9 @@ def main(cfg: DictConfig) -> float | None:
         log.debug("%s", e.traceback_text)
         (run_dir / "error.txt").write_text(f"{e}\n\n{e.traceback_text}")
         print(f"reelflow: run failed: {e}\n  (traceback in {run_dir / 'error.txt'})", file=sys.stderr)
+        sys.exit(1)
+    except ClusterError as e:
+        print(f"reelflow: run failed: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
         print("reelflow: interrupted; run cancelled and cleaned up", file=sys.stderr)

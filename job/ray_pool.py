@@ -48,12 +48,15 @@ class RequestWorker:
             os.sched_setaffinity(0, set(cores))
         self.cfg = OmegaConf.create(cfg)
         self.first_token, self.answer = graph_ports(self.cfg)
-        self.executor = None
+        self.executor, self.setup_error = None, None
         t0 = time.perf_counter()
-        self._build()
-        for _ in range(int((self.cfg.get("executor") or {}).get("warmup", 0))):
-            if warmup_request is not None:
-                self.executor.run(warmup_request)
+        try:
+            self._build()
+            for _ in range(int((self.cfg.get("executor") or {}).get("warmup", 0))):
+                if warmup_request is not None:
+                    self.executor.run(warmup_request)
+        except Exception as e:            # noqa: BLE001 (the config's or the node's fault: told to the driver by ready())
+            self.setup_error = f"{e}" if "StageFailed" in type(e).__name__ else f"{type(e).__name__}: {e}"
         self.setup_s = time.perf_counter() - t0
 
     def _build(self) -> None:
@@ -67,6 +70,8 @@ class RequestWorker:
         self.executor.setup()
 
     def ready(self) -> dict:
+        if self.setup_error:
+            return {"error": self.setup_error, "pid": os.getpid()}
         return {"pid": os.getpid(), "node": os.uname().nodename, "setup_s": round(self.setup_s, 6),
                 "cores": self.plan.cores}
 
@@ -165,6 +170,21 @@ class _Pool:
             ray.kill(self.actors[slot], no_restart=True)
             self.actors[slot] = None
 
+    def bury(self, slot: int) -> None:
+        """After a worker died: end its actor, and on this node remove the shared-memory files it
+        could not (a decode in progress when it was killed)."""
+        info = self.info[slot] or {}
+        self.kill(slot)
+        self.info[slot] = None
+        if info.get("pid") and info.get("node") == os.uname().nodename:
+            from video.codec import process_alive, remove_segments_of
+
+            deadline = time.time() + 5
+            while process_alive(info["pid"]) and time.time() < deadline:
+                time.sleep(0.05)
+            for path in remove_segments_of(info["pid"]):
+                log.info("removed %s, left by worker %d", path, slot)
+
     def close_all(self, timeout_s: float = 10.0) -> None:
         """Ask every live worker to close its executor (its decoder processes and their semaphores
         go away properly), then end them all."""
@@ -222,6 +242,10 @@ def run_on_ray(cfg: DictConfig, requests: list[Any], run_dir: Path, spec, plan) 
     trace (of the first request to finish) at the end, as a local run writes them."""
     from job.run import write_metrics, write_trace_files
 
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ConfigError("cluster=ray needs Ray. Fix: pip install -e '.[cluster]' (or cluster=local)") from None
     cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
     run_dir = Path(run_dir)
     _prepare_run_dir(cluster, run_dir)
@@ -302,17 +326,21 @@ def _dispatch(pool: _Pool, cluster: dict, requests: list, ids: list[str], todo: 
                 if ref in starting:                      # a worker finished its setup
                     slot = starting.pop(ref)
                     try:
-                        pool.info[slot] = ray.get(ref)
-                        idle.append(slot)
-                    except Exception as e:               # noqa: BLE001 (its setup failed: the config's or the node's fault)
-                        pool.kill(slot)
-                        if not any(pool.info) and not starting and not in_flight:
-                            raise ClusterError(f"no Ray worker could start: {e}") from None
+                        info = ray.get(ref)
+                    except Exception as e:               # noqa: BLE001 (it died while setting up: killed, out of memory)
+                        if not _dead_worker(e):
+                            raise
+                        pool.bury(slot)
                         pool.replaced += 1
                         if pool.replaced > max_replacements:
                             raise ClusterError(f"workers keep dying at setup; the last: {e}") from None
-                        log.warning("worker %d failed at setup (%s); starting another", slot, str(e).splitlines()[0])
+                        log.warning("worker %d died at setup (%s); starting another", slot, str(e).splitlines()[0])
                         starting[pool.start(slot)] = slot
+                        continue
+                    if "error" in info:                  # its setup raised: the config's or the model's fault, every worker's alike
+                        raise ClusterError(f"a Ray worker could not set up the graph: {info['error']}")
+                    pool.info[slot] = info
+                    idle.append(slot)
                     continue
                 slot, index, attempt, t_submit = in_flight.pop(ref)
                 latency = time.perf_counter() - t_submit
@@ -322,7 +350,7 @@ def _dispatch(pool: _Pool, cluster: dict, requests: list, ids: list[str], todo: 
                     if not _dead_worker(e):
                         out = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
                     else:
-                        pool.kill(slot)
+                        pool.bury(slot)
                         pool.replaced += 1
                         if pool.replaced > max_replacements:
                             raise ClusterError(f"workers keep dying; the last: {e}") from None

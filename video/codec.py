@@ -19,6 +19,7 @@ The pieces, in the order a decode uses them:
 
 from __future__ import annotations
 
+import glob
 import logging
 import mmap
 import os
@@ -303,6 +304,36 @@ class SharedFrames:
 
     def __exit__(self, *exc) -> None:
         self.unlink()
+
+
+def process_alive(pid: int) -> bool:
+    """Running, or stopped; not gone and not a zombie (dead, waiting for its parent to reap it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True                                 # someone else's live process
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def remove_segments_of(pid: int) -> list[str]:
+    """Remove the shared-memory files of a process that is gone (killed in the middle of a decode,
+    so it could not unlink them). A live process's files are left alone."""
+    if process_alive(pid):
+        return []                                   # its files are in use
+    removed = []
+    for path in glob.glob(f"/dev/shm/reelflow-{int(pid)}-*"):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def _attach(path: str, shape: tuple) -> tuple[mmap.mmap, np.ndarray]:

@@ -148,3 +148,11 @@ def test_ctrl_c_leaves_nothing_and_the_resumed_run_loses_and_repeats_nothing(man
     assert tokens(tmp_path) == local
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["cluster"]["requests"] == 6 - len(before) and len(metrics["runs"]) == 6
+
+
+def test_a_worker_that_cannot_set_up_stops_the_run_with_its_reason(tmp_path, nothing_left):
+    """A bad model path fails every worker alike: one message, exit 1, no endless replacing."""
+    out = run("cluster=ray", "cluster.workers=1", "model.target.path=/nonexistent", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 1
+    assert "reelflow: run failed: a Ray worker could not set up the graph" in out.stderr
+    assert "model path '/nonexistent'" in out.stderr and not (tmp_path / "metrics.json").exists()
