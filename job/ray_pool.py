@@ -52,11 +52,11 @@ class RequestWorker:
         t0 = time.perf_counter()
         try:
             self._build()
-            for _ in range(int((self.cfg.get("executor") or {}).get("warmup", 0))):
-                if warmup_request is not None:
-                    self.executor.run(warmup_request)
         except Exception as e:            # noqa: BLE001 (the config's or the node's fault: told to the driver by ready())
             self.setup_error = f"{e}" if "StageFailed" in type(e).__name__ else f"{type(e).__name__}: {e}"
+        for _ in range(int((self.cfg.get("executor") or {}).get("warmup", 0)) if self.executor else 0):
+            if warmup_request is not None and self.run(warmup_request)["status"] != "ok":
+                break                     # a bad first video: it fails again, in its own right, as a request
         self.setup_s = time.perf_counter() - t0
 
     def _build(self) -> None:
@@ -65,9 +65,10 @@ class RequestWorker:
 
         self.spec, self.plan = prepare(self.cfg)
         ex = self.cfg.get("executor") or {}
-        self.executor = Executor(self.spec, self.plan, cancel_timeout_s=float(ex.get("cancel_timeout_s", 10.0)),
-                                 progress=False, record=tuple(p for p in (self.answer,) if p))
-        self.executor.setup()
+        executor = Executor(self.spec, self.plan, cancel_timeout_s=float(ex.get("cancel_timeout_s", 10.0)),
+                            progress=False, record=tuple(p for p in (self.answer,) if p))
+        executor.setup()
+        self.executor = executor
 
     def ready(self) -> dict:
         if self.setup_error:
@@ -258,7 +259,7 @@ def run_on_ray(cfg: DictConfig, requests: list[Any], run_dir: Path, spec, plan) 
         if len(todo) < len(requests):
             log.info("resume: %d of %d requests have results; running %d", len(requests) - len(todo), len(requests),
                      len(todo))
-        stats = _serve(cfg, cluster, requests, ids, todo, results, run_dir, spec, plan) if todo else {}
+        stats = _serve(cfg, cluster, requests, ids, todo, results) if todo else {}
         rows = [results.rows.get(i) for i in range(len(requests))]
     ok = [r for r in rows if r and r["status"] == "ok"]
     failed = [{"request": r["request"], "error": r["error"], "attempts": r.get("attempts", 1)}
@@ -277,8 +278,7 @@ def run_on_ray(cfg: DictConfig, requests: list[Any], run_dir: Path, spec, plan) 
                          cluster={"kind": "ray", **stats}, failed=failed)
 
 
-def _serve(cfg: DictConfig, cluster: dict, requests: list, ids: list[str], todo: list[int], results: ResultLog,
-           run_dir: Path, spec, plan) -> dict:
+def _serve(cfg: DictConfig, cluster: dict, requests: list, ids: list[str], todo: list[int], results: ResultLog) -> dict:
     import ray
 
     started = _start_ray(cluster)
