@@ -191,7 +191,8 @@ class _Pool:
         go away properly), then end them all."""
         import ray
 
-        refs = [a.close.remote() for a in self.actors if a is not None]
+        # a worker still setting up (a replacement) is only killed: a close would wait for its setup
+        refs = [a.close.remote() for a, info in zip(self.actors, self.info) if a is not None and info]
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         self.kill_all()
@@ -349,13 +350,15 @@ def _dispatch(pool: _Pool, cluster: dict, requests: list, ids: list[str], todo: 
                 except Exception as e:                   # noqa: BLE001 (sorted below: a dead worker, or the request's own error)
                     if not _dead_worker(e):
                         out = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+                        idle.append(slot)                # alive: it takes the next request
                     else:
                         pool.bury(slot)
                         pool.replaced += 1
                         if pool.replaced > max_replacements:
                             raise ClusterError(f"workers keep dying; the last: {e}") from None
                         reason = str(e).splitlines()[0][:300]
-                        starting[pool.start(slot)] = slot
+                        if attempt <= retries or queue:  # a replacement only where there is work for it
+                            starting[pool.start(slot)] = slot
                         if attempt <= retries:
                             log.warning("worker %d died running %s (%s); retrying it on a new worker", slot,
                                         ids[index], reason)
