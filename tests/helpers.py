@@ -35,6 +35,20 @@ def node(target: str, on: str = "cpu", inputs: dict | None = None, **kwargs) -> 
     return {"stage": {"_target_": target, **kwargs}, "on": on, "inputs": inputs or {}}
 
 
+def target_side(model: dict, *, max_new_tokens: int, group_frames: int = 8, **prefill) -> dict:
+    """The target's side every model graph starts from (as conf/graph/target.yaml): a source, QuickCodec
+    (one decoder process), the vision encoder and the prefill (`prefill`: its further keys)."""
+    return {
+        "source": node("stages.source.Source"),
+        "decode": node("stages.decode.QuickCodec", inputs={"request": "source.request"}, fps=model["fps"],
+                       size=model["size"], group_frames=group_frames, workers=1),
+        "encode": node("stages.encode.VisionEncoder", on="target", inputs={"group": "decode.group"},
+                       model=model, fps=model["fps"]),
+        "prefill": node("stages.prefill.Prefill", on="target", inputs={"tokens": "encode.tokens", "request": "source.request"},
+                        model=model, max_new_tokens=max_new_tokens, **prefill),
+    }
+
+
 class SlowSink(Stage):
     """Sleeps `delay` per item (releases the GIL), counting items."""
 

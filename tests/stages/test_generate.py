@@ -10,7 +10,7 @@ from graph.executor import Executor, StageFailed
 from models.load import load_model
 from models.registry import release_all
 from stages.types import Request
-from tests.helpers import make, node
+from tests.helpers import make, node, target_side
 from tests.models.test_adapters import ARCHS, random_checkpoint
 from zoo.shapes import FPS
 from zoo.tokenizer import build_tokenizer
@@ -29,13 +29,7 @@ def checkpoint(request, tmp_path_factory):
 
 def ar_nodes(model: dict, *, mode="one_shot", max_new_tokens=20, temperature=0.0, seed=0, group_frames=4):
     return {
-        "source": node("stages.source.Source"),
-        "decode": node("stages.decode.QuickCodec", inputs={"request": "source.request"}, fps=model["fps"],
-                       size=model["size"], group_frames=group_frames, workers=1),
-        "encode": node("stages.encode.VisionEncoder", on="target", inputs={"group": "decode.group"},
-                       model=model, fps=model["fps"]),
-        "prefill": node("stages.prefill.Prefill", on="target", inputs={"tokens": "encode.tokens", "request": "source.request"},
-                        model=model, mode=mode, max_new_tokens=max_new_tokens),
+        **target_side(model, max_new_tokens=max_new_tokens, group_frames=group_frames, mode=mode),
         "generate": node("stages.generate.Generate", on="target", inputs={"kv": "prefill.kv"}, model=model,
                          max_new_tokens=max_new_tokens, temperature=temperature, seed=seed),
     }

@@ -19,7 +19,7 @@ from models.sparrow import HeadCache, SparrowConfig, SparrowHead
 from stages.sparrow import draft_tree
 from stages.tree import check_tree
 from stages.types import Request
-from tests.helpers import make, node
+from tests.helpers import make, node, target_side
 from tests.stages.test_generate import reference_ids
 from zoo.shapes import FPS
 from zoo.videos import make_video
@@ -56,13 +56,7 @@ def test_the_dynamic_tree_is_a_tree_of_the_heads_best_and_leaves_the_cache_as_it
 
 def sparrow_nodes(target: dict, head: str, *, tree=True, max_new_tokens=24, taps=(3, 6), temperature=0.0, seed=0):
     return {
-        "source": node("stages.source.Source"),
-        "decode": node("stages.decode.QuickCodec", inputs={"request": "source.request"}, fps=target["fps"],
-                       size=target["size"], group_frames=8, workers=1),
-        "encode": node("stages.encode.VisionEncoder", on="target", inputs={"group": "decode.group"},
-                       model=target, fps=target["fps"]),
-        "prefill": node("stages.prefill.Prefill", on="target", inputs={"tokens": "encode.tokens", "request": "source.request"},
-                        model=target, max_new_tokens=max_new_tokens, taps=list(taps)),
+        **target_side(target, max_new_tokens=max_new_tokens, taps=list(taps)),
         "draft": node("stages.sparrow.SparrowDraft", on="target",
                       inputs={"taps": "prefill.taps", "verdict": {"from": "verify.verdict", "feedback": True, "prime": 1}},
                       model=target, head=head, total=12, depth=3, topk=3, tree=tree, max_new_tokens=max_new_tokens),

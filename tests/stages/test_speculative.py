@@ -14,7 +14,7 @@ from models.registry import release_all
 from zoo.videos import make_video
 from zoo.shapes import FPS
 from stages.types import Request
-from tests.helpers import make, node
+from tests.helpers import make, node, target_side
 from tests.models.test_adapters import ARCHS, random_checkpoint
 from tests.stages.test_generate import reference_ids
 
@@ -40,13 +40,7 @@ def sd_nodes(target: dict, draft: dict, *, window=3, prime=1, max_new_tokens=24,
              pre_verify=False, judge_ahead=False):
     sampling = {"temperature": temperature, "seed": seed}
     return {
-        "source": node("stages.source.Source"),
-        "decode": node("stages.decode.QuickCodec", inputs={"request": "source.request"}, fps=target["fps"],
-                       size=target["size"], group_frames=8, workers=1),
-        "encode": node("stages.encode.VisionEncoder", on="target", inputs={"group": "decode.group"},
-                       model=target, fps=target["fps"]),
-        "prefill": node("stages.prefill.Prefill", on="target", inputs={"tokens": "encode.tokens", "request": "source.request"},
-                        model=target, max_new_tokens=max_new_tokens),
+        **target_side(target, max_new_tokens=max_new_tokens),
         "draft_encode": node("stages.encode.VisionEncoder", on="draft", inputs={"group": "decode.group"},
                              model=draft, fps=target["fps"]),
         "draft_prefill": node("stages.prefill.Prefill", on="draft",
