@@ -1,12 +1,13 @@
 """The executor: bounded channels, streaming items, taps, one feedback loop, clean cancellation.
 
 Scheduling policy (the whole of it): the main thread loops over the nodes and starts every call
-that is ready — its run-constant inputs have arrived and one item waits on each streamed input
-(or, with no streamed input, it has not been called yet in this run) — on a free worker of its
-resource. Candidates are taken earliest item first, then downstream first, which drains the
+that is ready — the nodes it waits for (`after:`) have finished, its run-constant inputs have
+arrived and one item waits on each streamed input (or, with no streamed input, it has not been
+called yet in this run) — on a free worker of its resource. Candidates are taken earliest item first, then downstream first, which drains the
 pipeline before feeding it. A node's calls never overlap. When a node's streamed inputs are
 exhausted its `finish` runs and its output streams end. Producers block in `emit` while a
-channel is full (backpressure). Feedback edges start with `prime` empty items (None).
+channel is full (backpressure). A primed edge (feedback edges, or any streamed input with `prime:`)
+starts with `prime` empty items (None): the consumer's first calls need nothing from its producer.
 
 Runners differ in one thing, the worker a job runs on: `threaded` uses the plan's thread,
 process and CUDA-stream workers; `sequential` runs every job to completion, one at a time, on
@@ -409,6 +410,8 @@ class Executor:
     def _take_job(self, name: str) -> tuple[str, dict, list] | None:
         """Pop the inputs of the node's next call, if it is ready: (phase, kwargs, deps)."""
         st = self._state[name]
+        if st.calls == 0 and not all(self._state[a].done for a in self.spec.nodes[name].after):
+            return None
         for port in sorted(st.pending_const):
             ch = self._channels[(name, port)]
             if ch.items:
@@ -592,6 +595,7 @@ class Executor:
                 if st.done:
                     continue
                 missing = sorted(st.pending_const) or [p for p in st.stream_ports if not self._channels[(name, p)].items]
+                missing = [a for a in self.spec.nodes[name].after if not self._state[a].done] or missing
                 waiting.append(f"{name} waits for {', '.join(missing) or 'a worker'}")
             self._failure = StageFailed("executor", "run", 0, "scheduler", Deadlock(
                 "no call can start and none is running: " + "; ".join(waiting)))

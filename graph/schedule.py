@@ -8,8 +8,10 @@ Policy, decided here once so the executor only follows it:
   starts from the same share and, at each call, takes every core the other CPU workers leave idle
   (QuickVideo: the target prefills on one core while the decoders run, on all once they are done);
 - channels hold `capacity` items; a streamed edge between two nodes sharing a one-worker resource is
-  unbounded (the producer holds the only worker, so a bound would deadlock it); a feedback edge
-  holds at least its primed items; the sequential runner makes every channel unbounded;
+  unbounded (the producer holds the only worker, so a bound would deadlock it); a primed edge
+  holds at least its primed items; an edge into a node that waits (`after:`) for its producer, or
+  for a node its producer feeds, is unbounded (its items wait until the node may start; a bound
+  would stop the producer the node waits for); the sequential runner makes every channel unbounded;
 - process-pool nodes are pinned to one worker process each (their stage lives there), round-robin.
 """
 
@@ -48,6 +50,7 @@ class PlannedNode:
     calls: str            # "once" or "per <port>[, <port>]"
     rank: int             # topological rank: earlier = upstream
     processes: int = 0    # processes the stage itself starts (Stage.declared_processes)
+    after: tuple[str, ...] = ()   # nodes that must have finished before its first call
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class Plan:
         for n in self.nodes:
             pin = f"[{n.worker}]" if n.worker is not None else ""
             own = f"   # starts {n.processes} processes" if n.processes else ""
+            own += f"   # after {', '.join(n.after)}" if n.after else ""
             lines.append(f"  {n.name:<12} on {n.resource + pin:<12} {n.calls:<22} {n.stage}{own}")
         lines += ["", "channels:"]
         for c in self.channels:
@@ -101,6 +105,18 @@ class Plan:
         if self.warnings:
             lines += ["", "warnings:"] + [f"  {w}" for w in self.warnings]
         return "\n".join(lines) + "\n"
+
+
+def _waited_on(spec: GraphSpec) -> dict[str, set[str]]:
+    """node -> the nodes its `after:` entries wait for and every node upstream of them (their
+    items cannot be taken before the node starts)."""
+    import networkx as nx
+
+    dag = nx.DiGraph()
+    dag.add_nodes_from(spec.nodes)
+    dag.add_edges_from((e.src, e.dst) for e in spec.edges if not e.feedback)
+    return {name: set().union(*({a} | nx.ancestors(dag, a) for a in node.after)) if node.after else set()
+            for name, node in spec.nodes.items()}
 
 
 def declared_processes(node) -> int:
@@ -174,11 +190,12 @@ def compile_plan(
         calls = f"per {', '.join(streamed)}" if streamed else "once"
         cls = node.stage_cls
         nodes.append(PlannedNode(name, f"{cls.__module__}.{cls.__qualname__}", node.on, worker, calls, rank[name],
-                                 processes[name]))
+                                 processes[name], tuple(node.after)))
 
     problems = resident_problems(spec, resources, {n.name: n.worker for n in nodes})
     if problems:
         raise ConfigError(problems)
+    waited_on = _waited_on(spec)
     channels = []
     for e in spec.edges:
         src_node, dst_node = spec.nodes[e.src], spec.nodes[e.dst]
@@ -190,10 +207,12 @@ def compile_plan(
             cap, note = None, "sequential runner"
         elif same and out.stream and not e.feedback:
             cap, note = None, f"both on one-worker '{src_node.on}': cannot overlap"
-        if e.feedback and cap is not None and cap < e.prime:
+        elif e.src in waited_on[e.dst] and e.capacity is None:
+            cap, note = None, f"{e.dst} waits for {', '.join(dst_node.after)} to finish"
+        if cap is not None and cap < e.prime:
             cap = e.prime
         channels.append(PlannedChannel(str(e), e.src, e.src_port, e.dst, e.dst_port, cap,
-                                       e.prime if e.feedback else 0, e.feedback, note))
+                                       e.prime, e.feedback, note))
     for w in warnings:
         log.warning(w)
     return Plan(runner, cores, planned_res, nodes, channels, warnings)

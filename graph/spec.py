@@ -13,6 +13,8 @@ A graph config is a dict of nodes::
       draft:
         inputs:
           verdict: {from: verify.verdict, feedback: true, prime: 1}
+      draft_encode:
+        after: [decode]         # starts no call before decode has finished (its items wait)
 
 Everything here is checked without instantiating a stage: the class is imported and its
 constructor signature is bound to the config's kwargs. All problems are reported together, each
@@ -56,7 +58,7 @@ class Edge:
     dst: str            # consumer node
     dst_port: str
     feedback: bool = False
-    prime: int = 0      # items put on a feedback edge before the run starts (delivered as None)
+    prime: int = 0      # empty items (delivered as None) put on a streamed edge before the run starts
     capacity: int | None = None  # per-edge override of the channel bound
 
     def __str__(self) -> str:
@@ -70,6 +72,7 @@ class NodeSpec:
     stage_cfg: dict          # the `_target_` block with kwargs, plain data
     on: str
     inputs: dict[str, Edge] = field(default_factory=dict)
+    after: tuple[str, ...] = ()   # nodes that must have finished before this one's first call
 
     @property
     def in_ports(self) -> dict[str, In]:
@@ -281,9 +284,11 @@ def build_graph(graph_cfg: Any, resources: Mapping[str, Any] | None = None) -> G
             # "on": can be overridden from the command line.
             raw = {("on" if k is True else k): v for k, v in raw.items()}
             log.warning("graph node '%s': write the key as \"on\": (quoted) so graph.nodes.%s.on=... works", name, name)
-        unknown_keys = set(raw) - {"stage", "inputs", "on"}
+        unknown_keys = set(raw) - {"stage", "inputs", "on", "after"}
         if unknown_keys:
-            problems.append(f"node '{name}': unknown keys {sorted(unknown_keys)}; a node has stage, inputs, on.")
+            problems.append(f"node '{name}': unknown keys {sorted(unknown_keys)}; a node has stage, inputs, on, after.")
+        after = raw.get("after") or ()
+        after = (after,) if isinstance(after, str) else tuple(after)
         cfg = _resolve_stage_cfg(name, raw.get("stage"), problems)
         cls = _check_stage_class(name, cfg, problems) if cfg else None
         on = raw.get("on")
@@ -297,9 +302,14 @@ def build_graph(graph_cfg: Any, resources: Mapping[str, Any] | None = None) -> G
                 + f" Fix: graph.nodes.{name}.on=<one of them>, or declare '{on}' under resources.pools/streams."
             )
         if cls is not None:
-            nodes[name] = NodeSpec(name=name, stage_cls=cls, stage_cfg=cfg, on=str(on))
+            nodes[name] = NodeSpec(name=name, stage_cls=cls, stage_cfg=cfg, on=str(on), after=tuple(map(str, after)))
             raw_inputs[name] = dict(raw.get("inputs") or {})
 
+    for name, node in nodes.items():
+        for other in node.after:
+            if other == name or other not in raw_nodes or raw_nodes[other] is None:
+                problems.append(f"node '{name}': after: '{other}' is not another node of this graph. "
+                                f"Nodes: {', '.join(n for n in nodes if n != name)}.")
     edges: list[Edge] = []
     for name, node in nodes.items():
         bound = raw_inputs[name]
@@ -347,6 +357,12 @@ def build_graph(graph_cfg: Any, resources: Mapping[str, Any] | None = None) -> G
                     f"for itself. Fix: graph.nodes.{name}.inputs.{port}.prime=1 (draft, then verify) or 2 (draft one round ahead)."
                 )
                 continue
+            if b["prime"] and not spec_in.stream:
+                problems.append(
+                    f"node '{name}' input '{port}' has prime={b['prime']} but is a run constant: only a streamed "
+                    f"input can start with empty items. Fix: drop `prime` from graph.nodes.{name}.inputs.{port}."
+                )
+                continue
             if b["feedback"] and not spec_in.stream:
                 problems.append(
                     f"node '{name}' input '{port}' is marked feedback but is not a streamed input, so the loop "
@@ -361,10 +377,21 @@ def build_graph(graph_cfg: Any, resources: Mapping[str, Any] | None = None) -> G
     dag = nx.DiGraph()
     dag.add_nodes_from(nodes)
     dag.add_edges_from((e.src, e.dst) for e in edges if not e.feedback)
+    waits = nx.DiGraph(dag)
+    waits.add_edges_from((other, n.name) for n in nodes.values() for other in n.after)
     try:
         cycle = nx.find_cycle(dag)
     except nx.NetworkXNoCycle:
         cycle = None
+    if cycle is None:
+        try:
+            loop = nx.find_cycle(waits)
+        except nx.NetworkXNoCycle:
+            loop = None
+        if loop:
+            path = " -> ".join([u for u, _ in loop] + [loop[0][0]])
+            raise ConfigError(f"`after:` closes a loop {path}: each of these nodes would wait for another to "
+                              "finish first. Fix: drop one of the `after:` entries.")
     if cycle:
         path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])
         back = next(e for e in edges if (e.src, e.dst) == cycle[-1] and not e.feedback)

@@ -69,6 +69,23 @@ class SlowSink(Stage):
         return {"count": n}
 
 
+class Collect(Stage):
+    """Keeps every item it is given, None (a primed item) included."""
+
+    inputs = {"item": In(object, stream=True)}
+    outputs = {"items": Out(list)}
+
+    def __init__(self):
+        self.items = []
+
+    def __call__(self, ctx, item):
+        self.items.append(item)
+
+    def finish(self, ctx):
+        items, self.items = self.items, []
+        return {"items": items}
+
+
 class ThreadProbe(Stage):
     """Reports the torch thread count, process id and cores it runs with."""
 

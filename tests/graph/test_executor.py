@@ -112,6 +112,33 @@ def test_draft_one_round_ahead_gives_the_same_tokens_and_overlaps():
     assert overlaps(ahead) >= 5             # and the draft runs while the verifier waits
 
 
+def test_a_node_that_waits_for_another_starts_when_it_has_finished(no_leftovers):
+    """`after: [src]`: the late consumer's first call starts once the producer has finished, while
+    the other consumer streams; its channel is unbounded (a bound of 1 would stop the producer it
+    waits for), so with capacity 1 everywhere else nothing deadlocks and no item is lost."""
+    nodes = {"src": node(f"{P}.Producer", items=6, iters=2, size=32),
+             "sink": node(f"{H}.SlowSink", "target", {"item": "src.item"}, delay=0.005),
+             "late": {**node(f"{H}.Collect", "draft", {"item": "src.item"}), "after": ["src"]}}
+    result, plan = run_once(nodes, capacity=1)
+    producer = calls_of(result, "src")[0]
+    late = calls_of(result, "late")
+    assert len(late) == 6 and late[0].t0 >= producer.t1
+    assert calls_of(result, "sink")[0].t0 < producer.t1          # the other consumer did not wait
+    assert [i.index for i in result.outputs["late.items"]] == list(range(6))
+    channel = next(c for c in plan.channels if c.dst == "late")
+    assert channel.capacity is None and "waits for src" in channel.note
+    assert "# after src" in plan.to_text()
+
+
+def test_a_primed_input_gives_its_consumer_a_first_call_without_an_item(no_leftovers):
+    nodes = {"src": node(f"{P}.Producer", items=2, iters=0, size=8),
+             "take": node(f"{H}.Collect", "target", {"item": {"from": "src.item", "prime": 1}})}
+    result, plan = run_once(nodes)
+    items = result.outputs["take.items"]
+    assert items[0] is None and [i.index for i in items[1:]] == [0, 1]
+    assert next(c for c in plan.channels if c.dst == "take").prime == 1
+
+
 def test_two_resources_really_run_at_once():
     """Two matmul-bound stages on two thread workers overlap in time (torch releases the GIL)."""
     nodes = {"src": node(f"{P}.Producer", items=6, iters=20, size=256),

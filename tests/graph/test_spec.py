@@ -99,6 +99,26 @@ def test_feedback_needs_a_primed_item():
     assert "prime=0" in msg and "prime=1" in msg
 
 
+def test_after_names_another_node_and_closes_no_loop():
+    nodes = demo_loop()
+    nodes["reader"]["after"] = ["nosuch"]
+    assert "node 'reader': after: 'nosuch' is not another node" in error_of(nodes)
+    nodes["reader"]["after"] = ["reader"]
+    assert "after: 'reader' is not another node" in error_of(nodes)
+    nodes["reader"]["after"] = ["check"]           # check needs reader's selection (through propose)
+    msg = error_of(nodes)
+    assert "`after:` closes a loop" in msg and "reader" in msg and "check" in msg
+    nodes["reader"]["after"] = "sink"              # one name without a list is fine
+    spec, _ = make(nodes)
+    assert spec.nodes["reader"].after == ("sink",)
+
+
+def test_a_run_constant_input_cannot_be_primed():
+    nodes = {"a": node(f"{P}.Producer", items=1, iters=0),
+             "b": node("tests.helpers.NeedsPayload", "target", {"value": {"from": "a.item", "prime": 1}})}
+    assert "is a run constant" in error_of(nodes)
+
+
 def test_feedback_that_closes_no_loop():
     nodes = {
         "src": node(f"{P}.Producer"),
