@@ -132,11 +132,14 @@ class Verifier(Stage):
         self.ahead: torch.Tensor | None = None  # judge_ahead: the logits [V] after a round accepted whole
         self.judged_ahead = 0                  # rounds accepted whole that left their next token to the draft
         self.tree_nodes: list[int] = []        # per tree round: its size
+        self.before_rounds = 0                 # tokens committed before the first round (the prefill's own)
 
     def start_run(self, ctx) -> None:
         self._reset()
 
-    def __call__(self, ctx, kv: KV, proposal: Proposal):
+    def __call__(self, ctx, kv: KV, proposal: Proposal | None):
+        if proposal is None:          # a primed call: the prefill is done, no round has arrived yet
+            return self._first_from_prefill(ctx, kv)
         if not self.info:             # the run's first proposal: what draft and target worked from
             self.info = {**proposal.meta, "target_prefill": kv.prefill,
                          "n_video_tokens": kv.n_video_tokens}
@@ -150,6 +153,12 @@ class Verifier(Stage):
         overlap = len(self.committed) - proposal.base
         replaced = (0 < proposal.base <= len(self.committed) and proposal.after >= 0
                     and self.committed[proposal.base - 1] != proposal.after)
+        if proposal.base == 0 and self.before_rounds and draft.shape[0] and int(draft[0]) != self.committed[0]:
+            # the draft's first token is not the one the prefill committed: its round continues
+            # another sequence. Unlike a stale round, no verdict of ours has told the draft yet.
+            self.stale += 1
+            ctx.emit("verdict", Verdict(proposal.round, 0, self.committed[0], len(self.committed)))
+            return {}
         if (replaced or overlap < 0 or overlap > draft.shape[0]
                 or draft[:overlap].tolist() != self.committed[proposal.base:]):
             self.stale += 1
@@ -213,6 +222,28 @@ class Verifier(Stage):
             ctx.end("verdict")
             return {}
         ctx.emit("verdict", Verdict(proposal.round, accepted, token, len(self.committed), verify_s=spent))
+        return {}
+
+    def _first_from_prefill(self, ctx, kv: KV):
+        """The target's first token from its prefill's logits (greedy, or drawn from the warped
+        distribution), committed and published at once: the first token does not wait for the
+        draft's first round (the graph primes the proposal edge). That round is then judged
+        against it: a first token equal to it and the rest verified as usual, or else answered
+        with it. At temperature 0 this is the token the first round's rule would have committed;
+        above, the first token is drawn from the target's own distribution, so the output's
+        distribution is the target's either way."""
+        lm = self.lm
+        vocab = self.vocab or len(lm.tokenizer)
+        logits = kv.logits[:vocab]
+        if self.sampling.greedy:
+            token = int(logits.argmax())
+        else:     # on the host, from the CPU generator, as the acceptance rule's draws
+            token = int(torch.multinomial(self.sampling.probs(logits[None]).float().cpu()[0], 1, generator=self.rng))
+        self.committed, self.done = commit([], [], token, lm.eos_ids, self.max_new_tokens)
+        self.before_rounds = len(self.committed)
+        ctx.emit("first", Tokens(self.committed[:1]))
+        if self.done:
+            ctx.end("verdict")
         return {}
 
     def _verify_tree(self, ctx, kv: KV, proposal: Proposal):
@@ -280,7 +311,8 @@ class Verifier(Stage):
         lm = self.lm
         ids = self.committed
         stats = SpeculativeStats(len(ids), tuple(self.accepted), tuple(self.drafted), tuple(self.windows),
-                                 tuple(self.verify_s), self.tq_s, self.stale, self.pre_verify, tuple(self.tree_nodes))
+                                 tuple(self.verify_s), self.tq_s, self.stale, self.pre_verify, tuple(self.tree_nodes),
+                                 self.before_rounds)
         meta = {"model": lm.name, **self.info,
                 "stopped": "eos" if ids and ids[-1] in lm.eos_ids else "max_new_tokens"}
         if self.judge_ahead:

@@ -37,7 +37,9 @@ def pair(request, tmp_path_factory):
 
 
 def sd_nodes(target: dict, draft: dict, *, window=3, prime=1, max_new_tokens=24, temperature=0.0, seed=0,
-             pre_verify=False, judge_ahead=False):
+             pre_verify=False, judge_ahead=False, first_from_prefill=False):
+    """first_from_prefill: the proposal edge primed, as the shipped graphs have it (the verifier
+    commits the target's first token from the prefill before the draft's first round)."""
     sampling = {"temperature": temperature, "seed": seed}
     return {
         **target_side(target, max_new_tokens=max_new_tokens),
@@ -51,7 +53,7 @@ def sd_nodes(target: dict, draft: dict, *, window=3, prime=1, max_new_tokens=24,
                               "verdict": {"from": "verify.verdict", "feedback": True, "prime": prime}},
                       model=draft, window=window, max_new_tokens=max_new_tokens, pre_verify=pre_verify, **sampling),
         "verify": node("stages.verify.Verifier", on="target",
-                       inputs={"kv": "prefill.kv", "proposal": "draft.proposal"},
+                       inputs={"kv": "prefill.kv", "proposal": {"from": "draft.proposal", "prime": int(first_from_prefill)}},
                        model=target, max_new_tokens=max_new_tokens, judge_ahead=judge_ahead, **sampling),
     }
 
@@ -92,6 +94,32 @@ def test_greedy_speculative_decoding_is_token_identical_to_generate(pair, window
     assert 0 <= meta["acceptance_rate"] < 0.9          # a random draft: rollbacks happened
     if prime == 2:
         assert meta["stale_proposals"] > 0              # rounds drafted ahead were voided
+
+
+@pytest.mark.parametrize("drafter", ["random", "the target"])
+@pytest.mark.parametrize("prime", [1, 2])
+def test_the_first_token_comes_from_the_prefill_before_any_round(pair, drafter, prime):
+    """With the proposal edge primed, the verifier's first call has no proposal: it commits and
+    publishes the target's first token from the prefill's logits, and the draft's first round is
+    judged against it (a random draft's first token is answered with the target's; the target's
+    own is verified on). The output is generate()'s; M counts the rounds' tokens only."""
+    target, draft, video = pair
+    nodes = sd_nodes(target, draft if drafter == "random" else dict(target), window=3, prime=prime,
+                     first_from_prefill=True, pre_verify=prime == 2)
+    spec, plan = make(nodes)
+    with Executor(spec, plan, progress=False) as ex:
+        result = ex.run(Request("v", video, PROMPT))
+    tokens = result.outputs["verify.tokens"]
+    assert tokens.ids == reference_ids(target, video, PROMPT, 24)
+    node_of = {r.id: r.node for r in result.calls}
+    first = [r for r in result.calls if r.node == "verify" and any(e[0] == "first" for e in r.emits)]
+    assert len(first) == 1 and first[0].item == 0
+    assert not [d for d in first[0].deps if node_of[d[0]] == "draft"]     # no draft round reached it
+    stats = tokens.speculative
+    assert stats.before_rounds == 1
+    assert tokens.details()["mean_accepted_length"] == round((len(tokens.ids) - 1) / stats.rounds, 4)
+    if drafter == "the target":
+        assert stats.metrics()["acceptance_rate"] == 1.0
 
 
 @pytest.mark.parametrize("drafter", ["random", "the target"])
@@ -175,12 +203,12 @@ def test_judge_ahead_leaves_the_target_no_token_after_a_round_accepted_whole(pai
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prime, judge_ahead", [(1, False), (2, True)])
-def test_sampled_first_tokens_follow_the_target_distribution(pair, prime, judge_ahead):
+@pytest.mark.parametrize("prime, judge_ahead, first_from_prefill", [(1, False, False), (2, True, True)])
+def test_sampled_first_tokens_follow_the_target_distribution(pair, prime, judge_ahead, first_from_prefill):
     """Over 200 seeds, the first two tokens of speculative sampling (temperature 1) are distributed
     as the target's own sampling's (chi-square on the most common values); also as the parallelvlm
-    graph runs it: the draft running ahead, pre-verify rounds after rollbacks, and the round in
-    flight judged by the rule (judge_ahead)."""
+    graph runs it: the first token drawn from the prefill before any round, the draft running
+    ahead, pre-verify rounds after rollbacks, and the round in flight judged by the rule (judge_ahead)."""
     from collections import Counter
 
     from tests.stages.test_generate import ar_nodes, run_graph
@@ -189,7 +217,8 @@ def test_sampled_first_tokens_follow_the_target_distribution(pair, prime, judge_
     sd, ar = Counter(), Counter()
     for seed in range(200):
         nodes = sd_nodes(target, draft, window=1 if judge_ahead else 3, prime=prime, max_new_tokens=2,
-                         temperature=1.0, seed=seed, judge_ahead=judge_ahead, pre_verify=judge_ahead)
+                         temperature=1.0, seed=seed, judge_ahead=judge_ahead, pre_verify=judge_ahead,
+                         first_from_prefill=first_from_prefill)
         sd[tuple(run_sd(nodes, video).ids)] += 1
         out = run_graph(ar_nodes(target, max_new_tokens=2, temperature=1.0, seed=seed), Request("v", video, PROMPT))
         ar[tuple(out.outputs["generate.tokens"].ids)] += 1
