@@ -47,7 +47,11 @@ class ModelDraft(Stage):
     seed: as the verifier's; vocab: the shared vocabulary size (0: the tokenizer's);
     max_new_tokens: no round drafts past it; target: the target's entry, whose tokenizer must be
     the draft's (checked at setup: a clear error otherwise); pre_verify: one-token rounds after
-    each rollback (see above; for a draft that runs ahead, prime 2)."""
+    each rollback (see above; for a draft that runs ahead, prime 2); confidence: a round ends
+    early, after the token it drafted with its own probability below this (the softmax of its
+    logits when greedy, q when sampling), so `window` is then the most a round drafts (0: always
+    `window`). Drafts agree with the target on easy tokens and miss the content ones; a token the
+    draft itself doubts is the likely rejection, and drafting past it is mostly wasted."""
 
     placement = "gpu"
     inputs = {"kv": In(KV), "verdict": In(Verdict, stream=True)}
@@ -55,7 +59,7 @@ class ModelDraft(Stage):
 
     def __init__(self, model: dict, window: int | str = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, vocab: int = 0, max_new_tokens: int = 256, target: dict | None = None,
-                 start_window: int = 4, max_window: int = 16, pre_verify: bool = False):
+                 start_window: int = 4, max_window: int = 16, pre_verify: bool = False, confidence: float = 0.0):
         self.auto = window == "auto"
         if self.auto:
             window = start_window
@@ -68,6 +72,9 @@ class ModelDraft(Stage):
         self.sampling, self.seed, self.vocab = Sampling(temperature, top_k, top_p), seed, vocab
         self.target = dict(target) if target else None
         self.pre_verify = bool(pre_verify)
+        if not 0 <= confidence < 1:
+            raise ValueError(f"confidence must be in [0, 1), got {confidence}")
+        self.confidence = float(confidence)
         self.lm = None
 
     def setup(self, ctx) -> None:
@@ -160,8 +167,18 @@ class ModelDraft(Stage):
             if q is not None:
                 probs.append(q)
             tokens.append(token)
+            if self.confidence and own_probability(logits, token, q) < self.confidence:
+                break
             pending = torch.tensor([token])
         return tokens, probs
+
+
+def own_probability(logits: torch.Tensor, token: int, q: torch.Tensor | None) -> float:
+    """The draft's probability of the token it drafted: q[token] when sampling (q: the warped
+    distribution it was drawn from), else the softmax of the logits [V] at it."""
+    if q is not None:
+        return float(q[token])
+    return float(torch.softmax(logits.float(), -1)[token])
 
 
 def auto_window(tp_s: float, tq_s: float, max_window: int) -> int:

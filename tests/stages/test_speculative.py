@@ -37,7 +37,7 @@ def pair(request, tmp_path_factory):
 
 
 def sd_nodes(target: dict, draft: dict, *, window=3, prime=1, max_new_tokens=24, temperature=0.0, seed=0,
-             pre_verify=False, judge_ahead=False, first_from_prefill=False):
+             pre_verify=False, judge_ahead=False, first_from_prefill=False, confidence=0.0):
     """first_from_prefill: the proposal edge primed, as the shipped graphs have it (the verifier
     commits the target's first token from the prefill before the draft's first round)."""
     sampling = {"temperature": temperature, "seed": seed}
@@ -51,7 +51,8 @@ def sd_nodes(target: dict, draft: dict, *, window=3, prime=1, max_new_tokens=24,
         "draft": node("stages.draft.ModelDraft", on="draft",
                       inputs={"kv": "draft_prefill.kv",
                               "verdict": {"from": "verify.verdict", "feedback": True, "prime": prime}},
-                      model=draft, window=window, max_new_tokens=max_new_tokens, pre_verify=pre_verify, **sampling),
+                      model=draft, window=window, max_new_tokens=max_new_tokens, pre_verify=pre_verify,
+                      confidence=confidence, **sampling),
         "verify": node("stages.verify.Verifier", on="target",
                        inputs={"kv": "prefill.kv", "proposal": {"from": "draft.proposal", "prime": int(first_from_prefill)}},
                        model=target, max_new_tokens=max_new_tokens, judge_ahead=judge_ahead, **sampling),
@@ -120,6 +121,32 @@ def test_the_first_token_comes_from_the_prefill_before_any_round(pair, drafter, 
     assert tokens.details()["mean_accepted_length"] == round((len(tokens.ids) - 1) / stats.rounds, 4)
     if drafter == "the target":
         assert stats.metrics()["acceptance_rate"] == 1.0
+
+
+@pytest.mark.parametrize("prime", [1, 2])
+def test_rounds_that_end_at_a_doubted_token_are_lossless(pair, prime):
+    """confidence: a round ends after a token the draft gives less than the threshold. The
+    random draft's tokens are all below 0.99 (its softmax over the vocabulary is nearly flat):
+    every round is one token; the target as its own draft at 1e-9 drafts whole windows. The
+    output is generate()'s either way."""
+    target, draft, video = pair
+    ref = reference_ids(target, video, PROMPT, 24)
+    doubting = run_sd(sd_nodes(target, draft, window=4, prime=prime, confidence=0.99, first_from_prefill=True), video)
+    assert doubting.ids == ref
+    assert set(doubting.speculative.drafted) <= {0, 1}            # (0: a first round judged against the prefill's token)
+    trusting = run_sd(sd_nodes(target, dict(target), window=4, prime=prime, confidence=1e-9), video)
+    assert trusting.ids == ref
+    assert max(trusting.speculative.drafted) == 4
+
+
+def test_own_probability_is_q_when_sampling_and_the_softmax_when_greedy():
+    import torch
+
+    from stages.draft import own_probability
+
+    logits = torch.tensor([2.0, 0.0, -1.0])
+    assert own_probability(logits, 0, None) == pytest.approx(float(torch.softmax(logits, -1)[0]))
+    assert own_probability(logits, 2, torch.tensor([0.1, 0.2, 0.7])) == pytest.approx(0.7)
 
 
 @pytest.mark.parametrize("drafter", ["random", "the target"])
