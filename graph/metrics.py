@@ -2,8 +2,8 @@
 
 `ideal_wall_s` replays the run with every call taking exactly its measured busy time and no
 scheduling cost: a call starts when its inputs were emitted (a tap counts from the moment it was
-published, not when its producer returned), its node's previous call has ended, and a worker of its
-resource is free. That is the best this graph could do on these resources with these stages, so
+published, not when its producer returned), its node's previous call has ended (and, for its first
+call, the nodes it waits for with `after:` have), and a worker of its resource is free. That is the best this graph could do on these resources with these stages, so
 `wall_s / ideal_wall_s` is the executor's efficiency, and (wall − ideal) / calls its overhead.
 """
 
@@ -16,14 +16,18 @@ import sys
 from typing import Any, Iterable
 
 
-def ideal_schedule(calls: Iterable[Any], workers: dict[str, int], pins: dict[str, int | None]) -> dict[int, tuple[float, float]]:
-    """call id -> (ideal start, ideal end), seconds from the run's start."""
+def ideal_schedule(calls: Iterable[Any], workers: dict[str, int], pins: dict[str, int | None],
+                   after: dict[str, tuple[str, ...]] | None = None) -> dict[int, tuple[float, float]]:
+    """call id -> (ideal start, ideal end), seconds from the run's start. after: node -> the
+    nodes whose last call must end before its first starts (the graph's `after:`)."""
+    after = after or {}
     slots = {r: [0.0] * n for r, n in workers.items()}           # free time of each worker
     pinned_free: dict[tuple[str, int], float] = {}
     node_end: dict[str, float] = {}
     out: dict[int, tuple[float, float]] = {}
     for c in sorted(calls, key=lambda c: c.t0):
-        ready = max([out[pid][0] + off for pid, off in c.deps if pid in out] + [node_end.get(c.node, 0.0)])
+        waits = [node_end.get(a, 0.0) for a in after.get(c.node, ())] if c.node not in node_end else []
+        ready = max([out[pid][0] + off for pid, off in c.deps if pid in out] + [node_end.get(c.node, 0.0)] + waits)
         pin = pins.get(c.node)
         if pin is not None:
             start = max(ready, pinned_free.get((c.resource, pin), 0.0))
@@ -38,8 +42,9 @@ def ideal_schedule(calls: Iterable[Any], workers: dict[str, int], pins: dict[str
     return out
 
 
-def ideal_wall_s(calls: list, workers: dict[str, int], pins: dict[str, int | None]) -> float:
-    sched = ideal_schedule(calls, workers, pins)
+def ideal_wall_s(calls: list, workers: dict[str, int], pins: dict[str, int | None],
+                 after: dict[str, tuple[str, ...]] | None = None) -> float:
+    sched = ideal_schedule(calls, workers, pins, after)
     return max((end for _, end in sched.values()), default=0.0)
 
 

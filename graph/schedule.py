@@ -11,7 +11,9 @@ Policy, decided here once so the executor only follows it:
   unbounded (the producer holds the only worker, so a bound would deadlock it); a primed edge
   holds at least its primed items; an edge into a node that waits (`after:`) for its producer, or
   for a node its producer feeds, is unbounded (its items wait until the node may start; a bound
-  would stop the producer the node waits for); the sequential runner makes every channel unbounded;
+  would stop the producer the node waits for), and so is such an edge into anything downstream of
+  a waiting node; the sequential runner makes every channel unbounded (a producer that shares a
+  one-worker pool with a waiting node's upstream can still block: the executor reports it);
 - process-pool nodes are pinned to one worker process each (their stage lives there), round-robin.
 """
 
@@ -108,15 +110,22 @@ class Plan:
 
 
 def _waited_on(spec: GraphSpec) -> dict[str, set[str]]:
-    """node -> the nodes its `after:` entries wait for and every node upstream of them (their
-    items cannot be taken before the node starts)."""
+    """node -> the producers whose items into it may have to wait for a node that waits
+    (`after:`): for the waiting node and everything downstream of it, the nodes it waits for and
+    everything upstream of them (a bound on such an edge could stop a producer that the waiting
+    node needs finished)."""
     import networkx as nx
 
     dag = nx.DiGraph()
     dag.add_nodes_from(spec.nodes)
     dag.add_edges_from((e.src, e.dst) for e in spec.edges if not e.feedback)
-    return {name: set().union(*({a} | nx.ancestors(dag, a) for a in node.after)) if node.after else set()
-            for name, node in spec.nodes.items()}
+    out: dict[str, set[str]] = {name: set() for name in spec.nodes}
+    for name, node in spec.nodes.items():
+        if node.after:
+            waited = set().union(*({a} | nx.ancestors(dag, a) for a in node.after))
+            for held in {name} | nx.descendants(dag, name):
+                out[held] |= waited
+    return out
 
 
 def declared_processes(node) -> int:
@@ -208,7 +217,7 @@ def compile_plan(
         elif same and out.stream and not e.feedback:
             cap, note = None, f"both on one-worker '{src_node.on}': cannot overlap"
         elif e.src in waited_on[e.dst] and e.capacity is None:
-            cap, note = None, f"{e.dst} waits for {', '.join(dst_node.after)} to finish"
+            cap, note = None, f"{e.dst} waits for {', '.join(dst_node.after) or 'a node upstream'} to finish"
         if cap is not None and cap < e.prime:
             cap = e.prime
         channels.append(PlannedChannel(str(e), e.src, e.src_port, e.dst, e.dst_port, cap,

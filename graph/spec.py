@@ -255,6 +255,21 @@ def _parse_binding(node: str, port: str, raw: Any, problems: list[str]) -> dict 
     }
 
 
+def _check_waits(nodes: dict[str, NodeSpec], edges: list[Edge]) -> None:
+    """A node that waits (`after:`) for a node that needs its output, through any edges (the
+    feedback loop's too) or other waits, would wait forever."""
+    flow = nx.DiGraph()
+    flow.add_nodes_from(nodes)
+    flow.add_edges_from((e.src, e.dst) for e in edges)
+    flow.add_edges_from((other, n.name) for n in nodes.values() for other in n.after)
+    for n in nodes.values():
+        for other in n.after:
+            if nx.has_path(flow, n.name, other):
+                path = " -> ".join(nx.shortest_path(flow, n.name, other))
+                raise ConfigError(f"node '{n.name}' waits (after:) for '{other}', which needs it first ({path}): it would "
+                                  f"wait forever. Fix: drop '{other}' from graph.nodes.{n.name}.after.")
+
+
 def _candidates(nodes: dict[str, NodeSpec], want: type, exclude: str) -> str:
     found = [
         f"{n.name}.{p}" for n in nodes.values() if n.name != exclude
@@ -377,21 +392,12 @@ def build_graph(graph_cfg: Any, resources: Mapping[str, Any] | None = None) -> G
     dag = nx.DiGraph()
     dag.add_nodes_from(nodes)
     dag.add_edges_from((e.src, e.dst) for e in edges if not e.feedback)
-    waits = nx.DiGraph(dag)
-    waits.add_edges_from((other, n.name) for n in nodes.values() for other in n.after)
     try:
         cycle = nx.find_cycle(dag)
     except nx.NetworkXNoCycle:
         cycle = None
     if cycle is None:
-        try:
-            loop = nx.find_cycle(waits)
-        except nx.NetworkXNoCycle:
-            loop = None
-        if loop:
-            path = " -> ".join([u for u, _ in loop] + [loop[0][0]])
-            raise ConfigError(f"`after:` closes a loop {path}: each of these nodes would wait for another to "
-                              "finish first. Fix: drop one of the `after:` entries.")
+        _check_waits(nodes, edges)
     if cycle:
         path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])
         back = next(e for e in edges if (e.src, e.dst) == cycle[-1] and not e.feedback)

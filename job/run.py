@@ -54,7 +54,7 @@ def run_metrics(result: RunResult, spec: GraphSpec, plan: Plan, first_token: str
     calls = [c for c in result.calls]
     workers = {r.name: (1 if plan.runner == "sequential" else r.workers) for r in plan.resources}
     pins = {n.name: (n.worker if plan.runner == "threaded" else None) for n in plan.nodes}
-    ideal = ideal_wall_s(calls, workers, pins)
+    ideal = ideal_wall_s(calls, workers, pins, {n.name: n.after for n in plan.nodes if n.after})
     wall = result.wall_s
     n_calls = len(calls)
     ttft = result.port_times.get(first_token, {}).get("first_s") if first_token else None

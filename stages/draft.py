@@ -122,8 +122,10 @@ class ModelDraft(Stage):
         if pre:
             self.pre_rounds.add(self.round)
         # window: the γ in force (a pre-verify round drafts one token whatever γ is; the verifier
-        # records the tokens it verified apart), so window_mean stays the γ of the seed's bounds
-        meta = {"window": self.window, "mode": "pre" if pre else "post"}
+        # records the tokens it verified apart), so window_mean stays the γ of the seed's bounds;
+        # with `confidence` a round's own length is its γ
+        window = len(tokens) if self.confidence and not pre else self.window
+        meta = {"window": window, "mode": "pre" if pre else "post"}
         if self.tq[1]:
             meta["tq_s"] = self.tq[0] / self.tq[1]
         if self.round == 1:      # what the draft works from, for the run's metrics

@@ -139,8 +139,7 @@ class SpeculativeStats:
     """What a speculative run did, round by round; `metrics()` gives its figures for metrics.json.
 
     M (mean_accepted_length): tokens committed per verification round, the accepted draft tokens
-    and the target's own (a first token committed from the prefill, before any round, is not a
-    round's); tokens_per_rollback: the seed's (ParallelVLM's) M, tokens committed
+    and the target's own; tokens_per_rollback: the seed's (ParallelVLM's) M, tokens committed
     between rollbacks: the rounds from one rejection (a round that commits fewer draft tokens than
     it drafted) to the next, or to the end, each give one run of tokens, and this is their mean
     length; acceptance: accepted over drafted tokens; Tp: the target's verification of a round; Tq:
@@ -158,7 +157,6 @@ class SpeculativeStats:
     stale_proposals: int = 0        # rounds drafted ahead on a prefix the target did not commit
     pre_verify_rounds: int = 0      # one-token rounds right after a rollback (pre-verify)
     tree_nodes: tuple = ()          # per round of a tree proposal: its nodes (`drafted` is then its depth)
-    before_rounds: int = 0          # tokens committed before the first round (the prefill's own first token)
 
     @property
     def rounds(self) -> int:
@@ -178,11 +176,10 @@ class SpeculativeStats:
     def metrics(self) -> dict:
         rounds = self.rounds
         runs = self.runs_between_rollbacks()
-        by_rounds = self.committed - self.before_rounds
         return {"rounds": rounds, "stale_proposals": self.stale_proposals,
                 "pre_verify_rounds": self.pre_verify_rounds,
-                "mean_accepted_length": round(by_rounds / rounds, 4) if rounds else None,
-                "tokens_per_rollback": round(by_rounds / runs, 4) if runs else None,
+                "mean_accepted_length": round(self.committed / rounds, 4) if rounds else None,
+                "tokens_per_rollback": round(self.committed / runs, 4) if runs else None,
                 "acceptance_rate": round(sum(self.accepted) / max(1, sum(self.drafted)), 4),
                 "per_position_acceptance": self.per_position_acceptance(),
                 "window_mean": round(sum(self.windows) / len(self.windows), 3) if self.windows else None,

@@ -18,7 +18,9 @@ tokens: the output is the target's `generate()`'s.
 
 `Verifier` is the stage: it holds the target's cache after the prompt, scores the last committed
 token plus the k proposed ones in one forward (the first round: the prefill's logits judge the
-first proposed token, and the k proposed ones are scored), commits the accepted tokens and the target's own
+first proposed token, and the k proposed ones are scored; with the proposal edge primed, the
+first token is committed from the prefill before any round and the first round's first token
+must equal it), commits the accepted tokens and the target's own
 next token (bonus or correction), rolls its cache back to the committed sequence, and answers
 with a Verdict on the feedback edge. A proposal drafted on a prefix that a verdict has since
 rejected (the draft runs a round ahead, PEARL-style) is stale: it is answered without work.
@@ -132,13 +134,16 @@ class Verifier(Stage):
         self.ahead: torch.Tensor | None = None  # judge_ahead: the logits [V] after a round accepted whole
         self.judged_ahead = 0                  # rounds accepted whole that left their next token to the draft
         self.tree_nodes: list[int] = []        # per tree round: its size
-        self.before_rounds = 0                 # tokens committed before the first round (the prefill's own)
+        self.first_pending = False             # the first token came from the prefill; the first round is still to judge
 
     def start_run(self, ctx) -> None:
         self._reset()
 
     def __call__(self, ctx, kv: KV, proposal: Proposal | None):
         if proposal is None:          # a primed call: the prefill is done, no round has arrived yet
+            if self.committed or self.rounds:
+                raise ValueError("the verifier's proposal edge is primed more than once: it takes prime: 1 (the "
+                                 "first token from the prefill) or none")
             return self._first_from_prefill(ctx, kv)
         if not self.info:             # the run's first proposal: what draft and target worked from
             self.info = {**proposal.meta, "target_prefill": kv.prefill,
@@ -153,12 +158,19 @@ class Verifier(Stage):
         overlap = len(self.committed) - proposal.base
         replaced = (0 < proposal.base <= len(self.committed) and proposal.after >= 0
                     and self.committed[proposal.base - 1] != proposal.after)
-        if proposal.base == 0 and self.before_rounds and draft.shape[0] and int(draft[0]) != self.committed[0]:
-            # the draft's first token is not the one the prefill committed: its round continues
-            # another sequence. Unlike a stale round, no verdict of ours has told the draft yet.
-            self.stale += 1
-            ctx.emit("verdict", Verdict(proposal.round, 0, self.committed[0], len(self.committed)))
-            return {}
+        # the first round after a first token committed from the prefill: its first token is
+        # judged against that one, and the round is accounted as the first round always is (it
+        # commits the target's first token, so M and acceptance mean what they mean unprimed)
+        judged_first = self.first_pending and proposal.base == 0
+        if judged_first:
+            self.first_pending = False
+            if proposal.parents is not None:
+                raise ValueError("a tree proposal after a first token committed from the prefill: leave the "
+                                 "verifier's proposal edge unprimed for tree drafts")
+            if int(draft[0]) != self.committed[0]:     # rejected at its first token: no forward needed
+                self._record(proposal, accepted=0, drafted=int(draft.shape[0]))
+                ctx.emit("verdict", Verdict(proposal.round, 0, self.committed[0], len(self.committed)))
+                return {}
         if (replaced or overlap < 0 or overlap > draft.shape[0]
                 or draft[:overlap].tolist() != self.committed[proposal.base:]):
             self.stale += 1
@@ -195,10 +207,6 @@ class Verifier(Stage):
                                                      self.sampling.probs(logits).float().cpu(), self.rng)
         spent = verify.seconds
         self.verify_s.append(spent)
-        self.windows.append(proposal.meta.get("window", int(draft.shape[0])))
-        if "tq_s" in proposal.meta:
-            self.tq_s = proposal.meta["tq_s"]
-        self.pre_verify += proposal.meta.get("mode") == "pre"
         before = len(self.committed)
         if self.judge_ahead and not self.sampling.greedy and accepted == draft.shape[0] > 0:
             self.committed, self.done = commit(self.committed, draft.tolist(), None, lm.eos_ids, self.max_new_tokens)
@@ -213,9 +221,9 @@ class Verifier(Stage):
         keep = min(before + accepted, len(self.committed))
         lm.drop_last(kv.cache, cached - keep)
         self.in_cache = keep
-        self.rounds += 1
-        self.accepted.append(min(accepted, len(self.committed) - before))
-        self.drafted.append(int(draft.shape[0]))
+        credit = int(judged_first)          # its first token, accepted before this forward
+        self._record(proposal, accepted=min(accepted, len(self.committed) - before) + credit,
+                     drafted=int(draft.shape[0]) + credit)
         if before == 0:
             ctx.emit("first", Tokens(self.committed[:1]))
         if self.done:
@@ -223,6 +231,16 @@ class Verifier(Stage):
             return {}
         ctx.emit("verdict", Verdict(proposal.round, accepted, token, len(self.committed), verify_s=spent))
         return {}
+
+    def _record(self, proposal: Proposal, *, accepted: int, drafted: int) -> None:
+        """One verified chain round in the run's statistics."""
+        self.rounds += 1
+        self.accepted.append(accepted)
+        self.drafted.append(drafted)
+        self.windows.append(proposal.meta.get("window", drafted))
+        if "tq_s" in proposal.meta:
+            self.tq_s = proposal.meta["tq_s"]
+        self.pre_verify += proposal.meta.get("mode") == "pre"
 
     def _first_from_prefill(self, ctx, kv: KV):
         """The target's first token from its prefill's logits (greedy, or drawn from the warped
@@ -240,7 +258,7 @@ class Verifier(Stage):
         else:     # on the host, from the CPU generator, as the acceptance rule's draws
             token = int(torch.multinomial(self.sampling.probs(logits[None]).float().cpu()[0], 1, generator=self.rng))
         self.committed, self.done = commit([], [], token, lm.eos_ids, self.max_new_tokens)
-        self.before_rounds = len(self.committed)
+        self.first_pending = True
         ctx.emit("first", Tokens(self.committed[:1]))
         if self.done:
             ctx.end("verdict")
@@ -311,8 +329,7 @@ class Verifier(Stage):
         lm = self.lm
         ids = self.committed
         stats = SpeculativeStats(len(ids), tuple(self.accepted), tuple(self.drafted), tuple(self.windows),
-                                 tuple(self.verify_s), self.tq_s, self.stale, self.pre_verify, tuple(self.tree_nodes),
-                                 self.before_rounds)
+                                 tuple(self.verify_s), self.tq_s, self.stale, self.pre_verify, tuple(self.tree_nodes))
         meta = {"model": lm.name, **self.info,
                 "stopped": "eos" if ids and ids[-1] in lm.eos_ids else "max_new_tokens"}
         if self.judge_ahead:

@@ -86,6 +86,23 @@ class Collect(Stage):
         return {"items": items}
 
 
+class Pair(Stage):
+    """Pairs the items of two streams, one call per pair."""
+
+    inputs = {"a": In(object, stream=True), "b": In(object, stream=True)}
+    outputs = {"pairs": Out(list)}
+
+    def __init__(self):
+        self.pairs = []
+
+    def __call__(self, ctx, a, b):
+        self.pairs.append((a, b))
+
+    def finish(self, ctx):
+        pairs, self.pairs = self.pairs, []
+        return {"pairs": pairs}
+
+
 class ThreadProbe(Stage):
     """Reports the torch thread count, process id and cores it runs with."""
 

@@ -130,6 +130,17 @@ def test_a_node_that_waits_for_another_starts_when_it_has_finished(no_leftovers)
     assert "# after src" in plan.to_text()
 
 
+def test_a_node_downstream_of_a_waiting_one_does_not_stop_the_producer_it_waits_for(no_leftovers):
+    """join pairs src's items with late's, and late waits for src to finish: with src → join
+    bounded at 1, src would block on its second item and late would never start."""
+    nodes = {"src": node(f"{P}.Producer", items=5, iters=0, size=8),
+             "late": {**node(f"{P}.Identity", "draft", {"item": "src.item"}), "after": ["src"]},
+             "join": node(f"{H}.Pair", "target", {"a": "late.item", "b": "src.item"})}
+    result, plan = run_once(nodes, capacity=1)
+    assert [(a.index, b.index) for a, b in result.outputs["join.pairs"]] == [(i, i) for i in range(5)]
+    assert next(c for c in plan.channels if c.src == "src" and c.dst == "join").capacity is None
+
+
 def test_a_primed_input_gives_its_consumer_a_first_call_without_an_item(no_leftovers):
     nodes = {"src": node(f"{P}.Producer", items=2, iters=0, size=8),
              "take": node(f"{H}.Collect", "target", {"item": {"from": "src.item", "prime": 1}})}

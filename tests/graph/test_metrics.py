@@ -97,6 +97,17 @@ def test_streaming_overlap_general_recurrence():
         assert expected >= quickvideo(p, c) - 1e-12
 
 
+def test_a_node_that_waits_starts_no_earlier_than_the_end_of_the_node_it_waits_for():
+    p, c = [0.3, 0.3, 0.3], [0.1, 0.1, 0.1]
+    calls = streaming_pair(p, c)
+    consumer = calls[3].node
+    producer = calls[0].node
+    assert ideal_wall_s(calls, WORKERS, NO_PINS) == pytest.approx(1.0)
+    sched = ideal_schedule(calls, WORKERS, NO_PINS, {consumer: (producer,)})
+    assert sched[3][0] == pytest.approx(0.9)          # its first call: after the producer's last
+    assert ideal_wall_s(calls, WORKERS, NO_PINS, {consumer: (producer,)}) == pytest.approx(1.2)
+
+
 def test_record_order_does_not_matter():
     """The replay goes by start time, not by list order: a shuffled record list gives the same schedule."""
     p, c = [0.3, 0.1, 0.2, 0.4], [0.2, 0.3, 0.1, 0.1]

@@ -107,7 +107,12 @@ def test_after_names_another_node_and_closes_no_loop():
     assert "after: 'reader' is not another node" in error_of(nodes)
     nodes["reader"]["after"] = ["check"]           # check needs reader's selection (through propose)
     msg = error_of(nodes)
-    assert "`after:` closes a loop" in msg and "reader" in msg and "check" in msg
+    assert "node 'reader' waits (after:) for 'check', which needs it first (reader -> propose -> check)" in msg
+    nodes["reader"]["after"] = []
+    nodes["check"]["after"] = ["propose"]          # propose waits for check's verdicts: a feedback loop
+    msg = error_of(nodes)
+    assert "node 'check' waits (after:) for 'propose', which needs it first (check -> propose)" in msg
+    nodes["check"]["after"] = []
     nodes["reader"]["after"] = "sink"              # one name without a list is fine
     spec, _ = make(nodes)
     assert spec.nodes["reader"].after == ("sink",)

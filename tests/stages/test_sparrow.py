@@ -85,6 +85,25 @@ def test_greedy_sparrow_is_token_identical_to_generate(arch, variant, tmp_path):
     assert meta["rounds"] >= 1 and meta["draft_prefill"]["vata"] == (variant != "no_vata")
 
 
+def test_a_primed_proposal_edge_is_refused_for_a_tree_draft(tmp_path):
+    """The first token from the prefill (a primed proposal edge) is for chain drafts: a tree
+    arriving after it stops the run with a message that says what to change."""
+    from graph.executor import StageFailed
+
+    target = {"path": TARGETS["qwen2_5_vl"], "fps": FPS["qwen2_5_vl"], "size": 84, "name": "target"}
+    head = random_head(load_model(target["path"]), tmp_path / "head")
+    video = tmp_path / "v.mp4"
+    make_video(31, 8, 2, 84, video)
+    nodes = sparrow_nodes(target, head)
+    nodes["verify"]["inputs"]["proposal"] = {"from": "draft.proposal", "prime": 1}
+    spec, plan = make(nodes)
+    try:
+        with Executor(spec, plan, progress=False) as ex, pytest.raises(StageFailed, match="unprimed for tree drafts"):
+            ex.run(Request("v", str(video), PROMPT))
+    finally:
+        release_all()
+
+
 def test_dataclass_config_round_trips():
     lm = load_model(TARGETS["qwen2_5_vl"])
     c = SparrowConfig.of_target(lm, tap_layer=3)
