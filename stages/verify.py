@@ -40,7 +40,7 @@ import torch
 
 from graph.stage import In, Out, Stage
 from models.registry import get_model
-from models.sampling import Sampling, sample
+from models.sampling import Sampling, greedy, sample
 from models.lean import tree_depths
 from stages.tree import check_tree, tree_greedy_verify, tree_sample_verify
 from stages.types import KV, Proposal, SpeculativeStats, Tokens, Verdict
@@ -254,9 +254,9 @@ class Verifier(Stage):
         vocab = self.vocab or len(lm.tokenizer)
         logits = kv.logits[:vocab]
         if self.sampling.greedy:
-            token = int(logits.argmax())
+            token = int(greedy(logits))
         else:     # on the host, from the CPU generator, as the acceptance rule's draws
-            token = int(torch.multinomial(self.sampling.probs(logits[None]).float().cpu()[0], 1, generator=self.rng))
+            token = int(sample(self.sampling.probs(logits).float().cpu(), self.rng))
         self.committed, self.done = commit([], [], token, lm.eos_ids, self.max_new_tokens)
         self.first_pending = True
         ctx.emit("first", Tokens(self.committed[:1]))
