@@ -3,8 +3,8 @@
 Scheduling policy (the whole of it): the main thread loops over the nodes and starts every call
 that is ready — the nodes it waits for (`after:`) have finished, its run-constant inputs have
 arrived and one item waits on each streamed input (or, with no streamed input, it has not been
-called yet in this run) — on a free worker of its resource. Candidates are taken earliest item first, then downstream first, which drains the
-pipeline before feeding it. A node's calls never overlap. When a node's streamed inputs are
+called yet in this run) — on a free worker of its resource. Candidates are taken earliest item
+first, then downstream first, which drains the pipeline before feeding it. A node's calls never overlap. When a node's streamed inputs are
 exhausted its `finish` runs and its output streams end. Producers block in `emit` while a
 channel is full (backpressure). A primed edge (feedback edges, or any streamed input with `prime:`)
 starts with `prime` empty items (None): the consumer's first calls need nothing from its producer.

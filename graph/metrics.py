@@ -3,8 +3,9 @@
 `ideal_wall_s` replays the run with every call taking exactly its measured busy time and no
 scheduling cost: a call starts when its inputs were emitted (a tap counts from the moment it was
 published, not when its producer returned), its node's previous call has ended (and, for its first
-call, the nodes it waits for with `after:` have), and a worker of its resource is free. That is the best this graph could do on these resources with these stages, so
-`wall_s / ideal_wall_s` is the executor's efficiency, and (wall − ideal) / calls its overhead.
+call, the nodes it waits for with `after:` have), and a worker of its resource is free. That is the
+best this graph could do on these resources with these stages, so `wall_s / ideal_wall_s` is the
+executor's efficiency, and (wall − ideal) / calls its overhead.
 """
 
 from __future__ import annotations

@@ -303,7 +303,11 @@ def build_graph(graph_cfg: Any, resources: Mapping[str, Any] | None = None) -> G
         if unknown_keys:
             problems.append(f"node '{name}': unknown keys {sorted(unknown_keys)}; a node has stage, inputs, on, after.")
         after = raw.get("after") or ()
-        after = (after,) if isinstance(after, str) else tuple(after)
+        after = (after,) if isinstance(after, str) else after
+        if not isinstance(after, (list, tuple)):
+            problems.append(f"node '{name}': after: {after!r} is not a node name or a list of them. "
+                            f"Fix: graph.nodes.{name}.after=[<node>, ...]")
+            after = ()
         cfg = _resolve_stage_cfg(name, raw.get("stage"), problems)
         cls = _check_stage_class(name, cfg, problems) if cfg else None
         on = raw.get("on")

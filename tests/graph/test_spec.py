@@ -113,6 +113,8 @@ def test_after_names_another_node_and_closes_no_loop():
     msg = error_of(nodes)
     assert "node 'check' waits (after:) for 'propose', which needs it first (check -> propose)" in msg
     nodes["check"]["after"] = []
+    nodes["reader"]["after"] = 3
+    assert "node 'reader': after: 3 is not a node name or a list of them" in error_of(nodes)
     nodes["reader"]["after"] = "sink"              # one name without a list is fine
     spec, _ = make(nodes)
     assert spec.nodes["reader"].after == ("sink",)

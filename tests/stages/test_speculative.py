@@ -103,7 +103,8 @@ def test_the_first_token_comes_from_the_prefill_before_any_round(pair, drafter, 
     """With the proposal edge primed, the verifier's first call has no proposal: it commits and
     publishes the target's first token from the prefill's logits, and the draft's first round is
     judged against it (a random draft's first token is answered with the target's; the target's
-    own is verified on). The output is generate()'s; M counts the rounds' tokens only."""
+    own is verified on). The output is generate()'s, and the first round is accounted as it is
+    unprimed (it commits the first token), so M is tokens over rounds."""
     target, draft, video = pair
     nodes = sd_nodes(target, draft if drafter == "random" else dict(target), window=3, prime=prime,
                      first_from_prefill=True, pre_verify=prime == 2)
