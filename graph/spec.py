@@ -109,21 +109,25 @@ def _type_name(t: type) -> str:
     return getattr(t, "__name__", str(t))
 
 
+STAGE_PACKAGES = ("stages", "bench")   # where stage classes live: the product's, then the benchmarks'
+
+
 def known_stage_classes() -> dict[str, str]:
-    """Stage classes under the `stages` package: short name -> dotted path (for suggestions)."""
+    """Stage classes under STAGE_PACKAGES: short name -> dotted path (for suggestions)."""
     found: dict[str, str] = {}
-    try:
-        pkg = importlib.import_module("stages")
-    except ImportError:
-        return found
-    for info in pkgutil.iter_modules(pkg.__path__):
+    for package in STAGE_PACKAGES:
         try:
-            mod = importlib.import_module(f"stages.{info.name}")
-        except Exception:  # a broken optional module must not break suggestions
+            pkg = importlib.import_module(package)
+        except ImportError:
             continue
-        for name, obj in vars(mod).items():
-            if is_stage_class(obj) and obj.__module__ == mod.__name__:
-                found[name] = f"{mod.__name__}.{name}"
+        for info in pkgutil.iter_modules(pkg.__path__):
+            try:
+                mod = importlib.import_module(f"{package}.{info.name}")
+            except Exception:  # a broken optional module must not break suggestions
+                continue
+            for name, obj in vars(mod).items():
+                if is_stage_class(obj) and obj.__module__ == mod.__name__:
+                    found.setdefault(name, f"{mod.__name__}.{name}")
     return found
 
 

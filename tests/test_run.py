@@ -94,7 +94,7 @@ def test_every_graph_validates_on_every_resources_config():
 def test_cfg_job_prints_the_composed_config():
     out = run("+experiment=demo", "graph.nodes.check.stage.rounds=7", "--cfg", "job")
     assert out.returncode == 0, out.stderr
-    assert "rounds: 7" in out.stdout and "_target_: stages.synthetic.Checker" in out.stdout
+    assert "rounds: 7" in out.stdout and "_target_: bench.synthetic.Checker" in out.stdout
 
 
 def test_demo_run_leaves_every_file(tmp_path):
@@ -117,7 +117,7 @@ def test_demo_run_leaves_every_file(tmp_path):
 @pytest.mark.parametrize("override,expect", [
     ("graph.nodes.consume.inputs.item=check.tokens", "node 'consume' input 'item' expects Payload but check.tokens gives Tokens"),
     ("graph.nodes.consume.on=gpu9", "node 'consume': unknown resource 'gpu9'"),
-    ("graph.nodes.consume.stage._target_=stages.synthetic.Consumr", "unknown _target_ 'stages.synthetic.Consumr'"),
+    ("graph.nodes.consume.stage._target_=bench.synthetic.Consumr", "unknown _target_ 'bench.synthetic.Consumr'"),
     ("graph.nodes.consume.stage.iters=-1", "iters ≥ 0"),
 ])
 def test_bad_config_exits_nonzero_with_one_readable_message(override, expect, tmp_path):

@@ -16,7 +16,7 @@ H = "tests.helpers"
 
 
 def counter_graph(on: str = "target", **kwargs) -> dict:
-    return {"src": node("stages.synthetic.Producer", "cpu", items=4, size=8, iters=1),
+    return {"src": node("bench.synthetic.Producer", "cpu", items=4, size=8, iters=1),
             "count": node(f"{H}.RunCounter", on, {"item": "src.item"}, **kwargs)}
 
 
@@ -55,7 +55,7 @@ def test_timed_parts_reach_records_trace_and_metrics(on, no_leftovers):
 
 def test_a_stage_without_per_run_state_costs_no_start_run_job():
     from graph.executor import _overrides_start_run
-    from stages.synthetic import Producer
+    from bench.synthetic import Producer
     from tests.helpers import RunCounter
 
     assert _overrides_start_run(RunCounter) and not _overrides_start_run(Producer)

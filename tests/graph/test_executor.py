@@ -10,7 +10,7 @@ from graph.executor import Executor, StageFailed
 from stages.types import Request
 from tests.helpers import make, node
 
-P = "stages.synthetic"
+P = "bench.synthetic"
 H = "tests.helpers"
 
 

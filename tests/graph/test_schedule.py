@@ -57,10 +57,10 @@ def test_plan_is_plain_data():
 
 
 def test_auto_torch_threads_split_cores_between_concurrent_workers():
-    one = make({"a": node("stages.synthetic.Producer", "target")})[1]
+    one = make({"a": node("bench.synthetic.Producer", "target")})[1]
     assert one.resource("target").torch_threads == 2  # alone on 2 cores: both
-    two = make({"a": node("stages.synthetic.Producer", "cpu"),
-                "b": node("stages.synthetic.Consumer", "target", {"item": "a.item"})})[1]
+    two = make({"a": node("bench.synthetic.Producer", "cpu"),
+                "b": node("bench.synthetic.Consumer", "target", {"item": "a.item"})})[1]
     assert two.resource("cpu").torch_threads == 1 and two.resource("target").torch_threads == 1
     assert not two.warnings
 
@@ -72,21 +72,21 @@ def test_gpu_streams_get_devices_and_priorities():
 
 
 def test_stream_between_nodes_on_one_worker_is_unbounded():
-    _, plan = make({"a": node("stages.synthetic.Producer", "target"),
-                    "b": node("stages.synthetic.Consumer", "target", {"item": "a.item"})})
+    _, plan = make({"a": node("bench.synthetic.Producer", "target"),
+                    "b": node("bench.synthetic.Consumer", "target", {"item": "a.item"})})
     assert plan.channels[0].capacity is None and "cannot overlap" in plan.channels[0].note
 
 
 def test_process_pool_nodes_are_pinned_round_robin():
-    _, plan = make({"a": node("stages.synthetic.Producer", "decode"),
-                    "b": node("stages.synthetic.Consumer", "decode", {"item": "a.item"}),
-                    "c": node("stages.synthetic.LayeredForward", "decode", {"state": "b.summary"})})
+    _, plan = make({"a": node("bench.synthetic.Producer", "decode"),
+                    "b": node("bench.synthetic.Consumer", "decode", {"item": "a.item"}),
+                    "c": node("bench.synthetic.LayeredForward", "decode", {"state": "b.summary"})})
     assert [n.worker for n in plan.nodes] == [0, 1, 0]
 
 
 def test_bad_runner_and_capacity():
     res, cores, _ = load_resources({"pools": {"cpu": {}}}, n_cuda=0)
-    spec = build_graph({"nodes": {"a": node("stages.synthetic.Producer")}}, res)
+    spec = build_graph({"nodes": {"a": node("bench.synthetic.Producer")}}, res)
     with pytest.raises(ConfigError, match="unknown runner"):
         compile_plan(spec, res, cores, runner="parallel")
     with pytest.raises(ConfigError, match="capacity=0"):

@@ -7,7 +7,7 @@ from graph.schedule import compile_plan
 from graph.spec import ConfigError, build_graph
 from tests.helpers import make, node
 
-P = "stages.synthetic"
+P = "bench.synthetic"
 
 
 def demo_loop(prime=1, feedback=True):
@@ -38,8 +38,8 @@ def test_valid_graph_builds_with_topological_order():
 def test_unknown_target_suggests_the_close_class():
     nodes = {"a": node(f"{P}.Produser")}
     msg = error_of(nodes)
-    assert "node 'a'" in msg and "unknown _target_ 'stages.synthetic.Produser'" in msg
-    assert "stages.synthetic.Producer" in msg  # the suggestion
+    assert "node 'a'" in msg and "unknown _target_ 'bench.synthetic.Produser'" in msg
+    assert "bench.synthetic.Producer" in msg  # the suggestion
 
 
 def test_unknown_module():

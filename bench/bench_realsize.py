@@ -1,7 +1,7 @@
 """What the adapters cost at real size: prefill time and per-token decode time against context
 length, for random-weight models of the real checkpoints' shapes (models.shapes), on a GPU.
 
-    python -m models.bench_realsize --models random:qwen2.5-vl-7b random:qwen2.5-vl-32b \\
+    python -m bench.bench_realsize --models random:qwen2.5-vl-7b random:qwen2.5-vl-32b \\
         --contexts 2048 4096 8192 16384 32768 --pair random:qwen2.5-vl-7b random:qwen2.5-vl-32b
 
 For each model and context of N video tokens (plus the prompt's few text tokens), through the
@@ -150,7 +150,7 @@ def sparrow_costs(lm, cache, layout, token: int, position: int, repeats: int, *,
     and drafts a `total`-`depth`-`topk` dynamic tree; the target verifies a tree of `total` nodes
     over its whole cache. Medians of `repeats` + 1 (the first untimed)."""
     from models.sparrow import HeadCache, SparrowConfig, SparrowHead
-    from stages.cost import bushy_tree
+    from bench.cost import bushy_tree
     from stages.sparrow import draft_tree
 
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ from graph.executor import Executor
 from models.lean import tree_depths
 from models.load import load_model
 from models.registry import release_all
-from stages.cost import bushy_tree, parse_shape, step_bytes
+from bench.cost import bushy_tree, parse_shape, step_bytes
 from stages.types import Request
 from tests.helpers import make, node
 from tests.models.test_adapters import random_checkpoint
@@ -58,7 +58,7 @@ def test_step_cost_times_every_shape_and_leaves_the_cache_as_it_was(tmp_path):
         "prefill": node("stages.prefill.Prefill", on="target", inputs={"tokens": "encode.tokens",
                                                                      "request": "source.request"},
                         model=target, max_new_tokens=40),
-        "probe": node("stages.cost.StepCost", on="target", inputs={"kv": "prefill.kv"}, model=target,
+        "probe": node("bench.cost.StepCost", on="target", inputs={"kv": "prefill.kv"}, model=target,
                       shapes=[1, "k4", "tree6"], repeats=3),
     }
     spec, plan = make(nodes)

@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from models.bench_realsize import kept_rows, run_benchmark
+from bench.bench_realsize import kept_rows, run_benchmark
 from tests.models.test_shapes import TINY
 
 SMALLER = ("random:qwen2.5-vl-7b,num_hidden_layers=1,hidden_size=128,intermediate_size=256,num_attention_heads=2,"
