@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from graph.spawn import SpawnWithoutMainContext
-from stages.types import FrameGroup, VideoInfo
+from video.frames import FrameGroup, VideoInfo
 from video.codec import (
     SharedFrames,
     StreamIndex,
