@@ -4,6 +4,7 @@ that hands the current Request to the graph.
     data.path=VIDEO data.prompt=TEXT     one file
     data.folder=DIR data.prompt=TEXT     every video file in DIR, sorted by name
     data.manifest=FILE.jsonl             one {"path": ..., "prompt": ...} per line (paths relative to the file)
+    data.toy={_target_: MAKER, ...}      the rows a maker the config names returns (data=toy_eval)
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from hydra.utils import get_method
 
 from graph.spec import ConfigError
 from graph.stage import Out, Stage
@@ -34,7 +37,7 @@ def load_requests(data: Any) -> list[Request]:
     if len(given) > 1:
         raise ConfigError(f"data: give one of path, folder, manifest, toy (got {', '.join(given)}).")
     if data.get("toy"):
-        return toy_requests(prompt=prompt, **dict(data["toy"]))
+        return generated_requests(data["toy"], prompt)
     if path:
         p = _find(path)
         if not p.is_file():
@@ -71,20 +74,19 @@ def load_requests(data: Any) -> list[Request]:
     return [Request(id="0", video=None, prompt=prompt)]
 
 
-def toy_requests(videos: int = 8, seconds: float = 30, first_seed: int = 0, fps: float = 2.0, size: int | list = 84,
-                 prompt: str | None = None, chunk_s: float | None = None, workers: int | None = None) -> list[Request]:
-    """`videos` held-out toy-world videos (seeds first_seed.., below the training seeds), made once
-    into the cache, each request carrying its truth as the reference. size: a side or [H, W];
-    chunk_s, workers: encode a long video in pieces, in parallel (zoo.world.make_video)."""
-    from zoo.videos import ensure_video
-
-    size = size if isinstance(size, int) else tuple(size)     # a side, or [H, W] from the config
-    out = []
-    for seed in range(first_seed, first_seed + videos):
-        path, truth = ensure_video(seed, seconds, fps, size, chunk_s=chunk_s, workers=workers)
-        out.append(Request(id=f"s{seed}-{seconds:g}s", video=str(path), prompt=prompt or "describe the video .",
-                           reference=truth.to_dict()))
-    return out
+def generated_requests(block: Any, prompt: str | None) -> list[Request]:
+    """Requests from a maker the config names (`data.toy: {_target_: zoo.videos.held_out_requests,
+    ...}`): it returns rows like a manifest's ({"id", "video", "prompt", "reference"}); the rest of
+    the block are its arguments. The data's world stays out of this layer."""
+    keys = dict(block)
+    target = keys.pop("_target_", None)
+    if not target:
+        raise ConfigError("data.toy: name its request maker with `_target_` (data=toy_eval has one).")
+    try:
+        make = get_method(target)
+    except Exception as e:  # hydra wraps the import's error; the message names the path
+        raise ConfigError(f"data.toy._target_={target}: {e}") from None
+    return [Request(**row) for row in make(prompt=prompt, **keys)]
 
 
 class Source(Stage):

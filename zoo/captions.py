@@ -33,7 +33,7 @@ from zoo.world import (
     _pick,
 )
 
-__all__ = ["caption", "prompts", "parse", "score", "vocabulary"]
+__all__ = ["caption", "prompts", "parse", "score", "score_reference", "vocabulary"]
 
 
 
@@ -139,6 +139,15 @@ def score(text: str, truth: Truth) -> dict:
         f1 = 2 * p * r / (p + r) if matched else 0.0
     return {"precision": p, "recall": r, "f1": f1, "matched": matched,
             "generated": len(generated), "reference": len(reference)}
+
+
+def score_reference(text: str, reference: dict) -> dict:
+    """`score` against a request's reference (a Truth as `Truth.to_dict` wrote it): precision,
+    recall, F1 and the truth's event count, the figures a caption_eval run reports per video.
+    The score stage names this function in its config."""
+    truth = Truth.from_dict(reference)
+    values = score(text, truth)
+    return {k: values[k] for k in ("precision", "recall", "f1")} | {"events": len(truth.events)}
 
 
 def _lcs_length(a: list, b: list) -> int:

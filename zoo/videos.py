@@ -25,7 +25,7 @@ from zoo.world import (
     make_world,
 )
 
-__all__ = ["frame_count", "render", "make_video", "ensure_video", "chunk_ranges"]
+__all__ = ["frame_count", "render", "make_video", "ensure_video", "chunk_ranges", "held_out_requests"]
 
 
 
@@ -223,3 +223,19 @@ def ensure_video(seed: int, seconds: float, fps: float = 2.0, size: int | tuple[
         truth_path.write_text(json.dumps(truth.to_dict()) + "\n")
         tmp.replace(path)
     return path, Truth.from_dict(json.loads(truth_path.read_text()))
+
+
+def held_out_requests(videos: int = 8, seconds: float = 30, first_seed: int = 0, fps: float = 2.0,
+                      size: int | list = 84, prompt: str | None = None, chunk_s: float | None = None,
+                      workers: int | None = None) -> list[dict]:
+    """`videos` held-out toy-world videos (seeds first_seed.., below the training seeds), made once
+    into the cache, as request rows like a manifest's ({"id", "video", "prompt", "reference"}), each
+    carrying its truth as the reference. The `data.toy` config names this maker. size: a side or
+    [H, W]; chunk_s, workers: encode a long video in pieces, in parallel (`make_video`)."""
+    size = size if isinstance(size, int) else tuple(size)     # a side, or [H, W] from the config
+    rows = []
+    for seed in range(first_seed, first_seed + videos):
+        path, truth = ensure_video(seed, seconds, fps, size, chunk_s=chunk_s, workers=workers)
+        rows.append({"id": f"s{seed}-{seconds:g}s", "video": str(path), "prompt": prompt or "describe the video .",
+                     "reference": truth.to_dict()})
+    return rows

@@ -8,7 +8,7 @@ import av
 import numpy as np
 import pytest
 
-from zoo.captions import _lcs_length, caption, parse, prompts, score, vocabulary
+from zoo.captions import _lcs_length, caption, parse, prompts, score, score_reference, vocabulary
 from zoo.videos import make_video, render
 from zoo.world import COLORS, END_S, GAP_S, Truth, make_world, scene_at
 
@@ -165,6 +165,14 @@ def test_caption_is_one_clause_per_event_and_scores_one():
         assert parse(text) == [e.key() for e in truth.events]
         s = score(text, truth)
         assert (s["precision"], s["recall"], s["f1"]) == (1.0, 1.0, 1.0)
+
+
+def test_a_reference_scores_as_its_truth_does_and_counts_its_events():
+    truth = make_world(3, 60).truth
+    half = " ".join(clauses(caption(truth))[: len(truth.events) // 2])
+    s = score_reference(half, json.loads(json.dumps(truth.to_dict())))     # as a request carries it
+    assert s == {k: score(half, truth)[k] for k in ("precision", "recall", "f1")} | {"events": len(truth.events)}
+    assert s["precision"] == 1.0 and s["recall"] < 1.0
 
 
 def test_every_word_of_captions_prompts_and_answers_is_in_the_vocabulary():
