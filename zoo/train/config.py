@@ -43,7 +43,7 @@ class LoopConfig:
     out: str | None = None             # where the checkpoint goes (None: the recipe's default)
 
     def problems(self) -> list[str]:
-        from zoo.train.loop import resolve_device
+        from zoo.train.device import resolve_device   # torch: only when a config is checked
 
         out = _at_least(self, steps=1, warmup=1, log_every=1, eval_every=0)
         if self.precision not in PRECISIONS:
