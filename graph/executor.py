@@ -34,8 +34,9 @@ from graph.metrics import cpu_seconds
 from graph.schedule import Plan, PlannedChannel
 from graph.spec import GraphSpec
 from graph.stage import Stage
-from graph.workers import (InlineWorker, Job, ProcessWorker, RemoteError, SequentialThread, StreamWorker, ThreadWorker,
-                           Worker, build_stage, init_torch_runtime)
+from graph.jobs import Job, RemoteError, build_stage
+from graph.workers import (InlineWorker, ProcessWorker, SequentialThread, StreamWorker, ThreadWorker, Worker,
+                           init_torch_runtime)
 
 log = logging.getLogger(__name__)
 

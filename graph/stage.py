@@ -49,7 +49,7 @@ class Out:
     in the middle of a call (``ctx.emit``) while the call goes on. ``resident=True``: when the
     stage runs in a process pool, the value stays in that process and its consumers, which must
     run on the same process worker, get the object itself (a model's cache that later calls
-    extend in place); the parent only passes a handle (graph.workers.Resident)."""
+    extend in place); the parent only passes a handle (graph.process_child.Resident)."""
 
     type: type
     stream: bool = False

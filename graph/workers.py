@@ -5,27 +5,25 @@
   once per job, so timings are real and returned items are complete. An item emitted mid-job (a
   tap) carries a CUDA event recorded on the producer's stream (StreamMark); the consumer's
   stream waits on it (a host consumer synchronises on it) before the job that reads it.
-- ProcessWorker: a spawned child process holding its stages; the parent-side thread forwards
-  emits (with an acknowledgement, so backpressure reaches the child) and waits for the result.
+- ProcessWorker: a spawned child process holding its stages (its side: graph/process_child.py);
+  the parent-side thread forwards emits (with an acknowledgement, so backpressure reaches the
+  child) and waits for the result.
 - InlineWorker: runs a job to completion while the caller waits (the sequential runner), on the
   one thread all of a sequential executor's inline workers share.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import pickle
 import queue
-import signal
 import threading
 import time
-import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from graph.context import Cancelled, StageContext
+from graph.jobs import Job, RemoteError, run_phase
+from graph.process_child import child_main, recv, send
 from graph.resources import pin_to
 from graph.spawn import SpawnWithoutMainContext
 
@@ -74,62 +72,6 @@ def init_torch_runtime() -> None:
         torch.set_num_threads(threads)
 
 
-@dataclass
-class Job:
-    node: str
-    phase: str                   # setup | call | finish | close
-    item: int
-    kwargs: dict
-    request: Any
-    on_done: Callable[["Job", Any, BaseException | None], None]
-    emit: Callable[[str, Any], None] | None = None
-    end: Callable[[str], None] | None = None
-    cancelled: Callable[[], bool] = lambda: False
-    stage_cfg: dict | None = None  # setup of a process-pool stage: how to build it
-    record: Any = None             # gets t0/t1: the worker times the job, not the dispatcher
-    wait_for: list = field(default_factory=list)   # ReadyMarks of the inputs: awaited before the job runs
-
-
-@dataclass(frozen=True)
-class Resident:
-    """A handle to a value that stayed in the worker process that made it (Out(resident=True)):
-    jobs on that worker get the value itself; the value never crosses a process boundary, and
-    the process drops it when the next run starts."""
-
-    worker: str
-    run: int
-    key: int
-
-
-class ResidentTable:
-    """A process worker's resident values of the current run (child side)."""
-
-    def __init__(self, worker: str):
-        self.worker, self.run, self._values, self._next = worker, -1, {}, 0
-
-    def start(self, run: int) -> None:
-        if run != self.run:
-            self.run, self._values = run, {}
-
-    def keep(self, value: Any) -> Resident:
-        self._next += 1
-        self._values[self._next] = value
-        return Resident(self.worker, self.run, self._next)
-
-    def resolve(self, value: Any) -> Any:
-        if not isinstance(value, Resident):
-            return value
-        if value.worker != self.worker or value.run != self.run or value.key not in self._values:
-            where = f"worker {value.worker}, run {value.run}"
-            raise RuntimeError(f"a resident value made in {where} reached worker {self.worker}, run {self.run}: "
-                               "resident outputs are only for consumers on the worker that made them")
-        return self._values[value.key]
-
-
-def _resident_ports(stage: Any) -> set[str]:
-    outputs = getattr(type(stage), "outputs", {}) or {}
-    return {port for port, out in outputs.items() if getattr(out, "resident", False)}
-
 
 class StreamMark:
     """A ReadyMark: a CUDA event recorded on the producer's stream right after the work that made
@@ -150,13 +92,6 @@ class StreamMark:
         self.event.synchronize()
 
 
-class RemoteError(Exception):
-    """An exception raised inside a worker process, carried back as text."""
-
-    def __init__(self, type_name: str, message: str, tb: str):
-        super().__init__(f"{type_name}: {message}")
-        self.type_name, self.message, self.tb = type_name, message, tb
-
 
 def _device(name: str):
     import torch
@@ -164,31 +99,6 @@ def _device(name: str):
     return torch.device(name)
 
 
-def build_stage(cfg: dict) -> Any:
-    """Instantiate a stage from its `_target_` block, raising the constructor's own error."""
-    from hydra.errors import InstantiationException
-    from hydra.utils import instantiate
-
-    try:
-        return instantiate(cfg, _convert_="all")
-    except InstantiationException as e:
-        raise (e.__cause__ or e) from None
-
-
-def _run_phase(stage: Any, job: Job, ctx: StageContext) -> Any:
-    if stage is None:  # never built (its construction failed): nothing to set up or close
-        return None
-    if job.phase == "setup":
-        return stage.setup(ctx)
-    if job.phase == "start_run":
-        return stage.start_run(ctx)
-    if job.phase == "call":
-        return stage(ctx, **job.kwargs)
-    if job.phase == "finish":
-        return stage.finish(ctx)
-    if job.phase == "close":
-        return stage.close()
-    raise ValueError(f"unknown phase {job.phase}")
 
 
 class Worker:
@@ -266,7 +176,7 @@ class Worker:
         ctx = StageContext(job.node, job.item, _device(self.device), job.request, job.emit, job.end, job.cancelled,
                            sync=self._device_sync())
         try:
-            return _run_phase(self.stages.get(job.node), job, ctx)
+            return run_phase(self.stages.get(job.node), job, ctx)
         finally:
             if job.record is not None:
                 job.record.parts = [(p.name, p.t0, p.t1) for p in ctx.parts]
@@ -406,81 +316,6 @@ class InlineWorker(Worker):
     def alive(self) -> bool:
         return self.thread.alive
 
-# --------------------------------------------------------------------------------------------
-# process workers
-
-
-def _send(conn, msg) -> None:
-    # Plain pickle copies tensors by value: nothing goes through /dev/shm behind our back.
-    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _recv(conn):
-    return pickle.loads(conn.recv_bytes())
-
-
-def _die_with_parent() -> None:
-    try:  # Linux: the kernel kills us if the parent dies without cleaning up.
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _child_main(conn, torch_threads: int, device: str, name: str = "", affinity: tuple[int, ...] | None = None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent owns Ctrl-C and shuts us down
-    _die_with_parent()
-    pin_to(affinity)
-    import torch
-
-    torch.set_num_threads(torch_threads)
-    stages: dict[str, Any] = {}
-    cancelled = False
-    residents = ResidentTable(name)
-    resident_ports: set[str] = set()       # of the stage whose job runs now
-
-    def emit(port, item):
-        nonlocal cancelled
-        if port in resident_ports:
-            item = residents.keep(item)
-        _send(conn, ("emit", port, item))
-        if _recv(conn)[0] == "cancel":
-            cancelled = True
-            raise Cancelled("run cancelled")
-
-    def end(port):
-        _send(conn, ("end", port))
-        _recv(conn)
-
-    while True:
-        try:
-            msg = _recv(conn)
-        except (EOFError, OSError):
-            return
-        kind = msg[0]
-        if kind == "exit":
-            return
-        _, phase, node, item, kwargs, request, stage_cfg, run = msg
-        cancelled = False
-        try:
-            residents.start(run)
-            if phase == "setup":
-                stages[node] = None
-                stages[node] = build_stage(stage_cfg)
-            resident_ports = _resident_ports(stages.get(node))
-            kwargs = {k: residents.resolve(v) for k, v in kwargs.items()}
-            job = Job(node, phase, item, kwargs, request, on_done=None)  # type: ignore[arg-type]
-            ctx = StageContext(node, item, torch.device(device), request, emit, end, lambda: cancelled)
-            result = _run_phase(stages.get(node), job, ctx)
-            if isinstance(result, dict) and resident_ports:
-                result = {k: residents.keep(v) if k in resident_ports else v for k, v in result.items()}
-            # perf_counter is CLOCK_MONOTONIC, one clock for every process: the parent can place these
-            _send(conn, ("done", result, [(p.name, p.t0, p.t1) for p in ctx.parts]))
-        except BaseException as e:
-            _send(conn, ("error", type(e).__name__, str(e), traceback.format_exc()))
-        if phase == "close":
-            stages.pop(node, None)
-
 
 class ProcessWorker(Worker):
     """A parent-side thread driving one spawned child process."""
@@ -490,7 +325,7 @@ class ProcessWorker(Worker):
         ctx = SpawnWithoutMainContext()   # spawn, and an unguarded caller script is not re-run in the child
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self.run = 0                      # the executor's run number: resident values live for one run
-        self.process = ctx.Process(target=_child_main, args=(child_conn, torch_threads, device, name, affinity),
+        self.process = ctx.Process(target=child_main, args=(child_conn, torch_threads, device, name, affinity),
                                    name=f"reelflow-{name}", daemon=True)
         self._child_conn = child_conn
 
@@ -503,10 +338,10 @@ class ProcessWorker(Worker):
         pass  # torch threads are set inside the child
 
     def execute(self, job: Job) -> Any:
-        _send(self._conn, ("job", job.phase, job.node, job.item, job.kwargs, job.request, job.stage_cfg, self.run))
+        send(self._conn, ("job", job.phase, job.node, job.item, job.kwargs, job.request, job.stage_cfg, self.run))
         while True:
             try:
-                msg = _recv(self._conn)
+                msg = recv(self._conn)
             except (EOFError, OSError):
                 self.process.join(1.0)
                 raise RemoteError("WorkerDied", f"worker process {self.name} (pid {self.process.pid}) died "
@@ -515,9 +350,9 @@ class ProcessWorker(Worker):
             if kind in ("emit", "end"):
                 try:
                     job.emit(msg[1], msg[2]) if kind == "emit" else job.end(msg[1])
-                    _send(self._conn, ("ok",))
+                    send(self._conn, ("ok",))
                 except Cancelled:
-                    _send(self._conn, ("cancel",))
+                    send(self._conn, ("cancel",))
             elif kind == "done":
                 if job.record is not None:
                     job.record.parts = msg[2]
@@ -530,7 +365,7 @@ class ProcessWorker(Worker):
     def stop(self, timeout: float) -> bool:
         if self.process.is_alive() and not self.busy:
             try:
-                _send(self._conn, ("exit",))
+                send(self._conn, ("exit",))
             except OSError:
                 pass
             self.process.join(timeout)

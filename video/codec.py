@@ -226,7 +226,7 @@ def output_size(index: StreamIndex, size) -> tuple[int, int]:
 
 
 def keyframe_intervals(index: StreamIndex, count: int) -> list[tuple[int, int]]:
-    """Seed Alg. 3: `count` pts intervals [start, end) whose inner boundaries are the keyframes
+    """QuickVideo's Alg. 3: `count` pts intervals [start, end) whose inner boundaries are the keyframes
     nearest i/count of the stream's span; fewer when keyframes are scarcer than intervals."""
     keys = index.keyframes
     lo, hi = index.start_pts, int(index.pts[-1])
@@ -353,10 +353,10 @@ def worker_init() -> None:
     """Decoder processes ignore Ctrl-C (the parent ends them) and die with their parent."""
     import signal
 
-    from graph.workers import _die_with_parent
+    from graph.spawn import die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    die_with_parent()
 
 
 def warm_worker(hold_s: float) -> int:
