@@ -254,7 +254,7 @@ def test_every_quickvideo_bench_case_composes_and_its_prefill_builds(case):
 
 
 def test_quickvideo_prunes_the_sample_and_reports_its_cache(tmp_path):
-    out = run("+experiment=quickvideo", "graph.prune.ratio=0.2", "graph.group_frames=8", f"hydra.run.dir={tmp_path}")
+    out = run("+experiment=quickvideo", "graph.prune.keep=0.2", "graph.group_frames=8", f"hydra.run.dir={tmp_path}")
     assert out.returncode == 0, out.stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     prefill = metrics["tokens_meta"]["prefill"]

@@ -1,5 +1,5 @@
-"""Where and why a draft disagrees with its target. Two measurements behind the drafts' page
-(docs/results/2026-11-25-drafts.md):
+"""Where and why a draft disagrees with its target. Two measurements behind the shipped drafts
+(docs/zoo.md):
 
     python -m tools.draft_misses                                 # the shipped Qwen pair, seeds 0-5, 2 fps
     python -m tools.draft_misses --draft /tmp/qwen-draft --videos 8 --fps 8
@@ -18,7 +18,7 @@ import torch
 
 from models.decoding import greedy_answer
 from models.load import load_model
-from stages.prune import keep_fraction
+from models.pruning import keep_top
 from zoo.agreement import frames_at
 from zoo.card import PROMPT, agreement, answer_budget, uv_keep
 
@@ -40,8 +40,8 @@ def main(argv=None):
         m = target.layout(PROMPT, frames.shape[0], tuple(frames.shape[-2:]), fps).n_video
         for name, keep in (("whole", None), ("UV-Prune 0.5", uv_keep(target, frames, fps, 0.5)),
                            ("UV-Prune 0.1", uv_keep(target, frames, fps, 0.9)),
-                           ("random 0.5", keep_fraction(torch.rand(m), 0.5)),
-                           ("random 0.1", keep_fraction(torch.rand(m), 0.9)), ("first half", torch.arange(m // 2))):
+                           ("random 0.5", keep_top(torch.rand(m), 0.5)),
+                           ("random 0.1", keep_top(torch.rand(m), 0.1)), ("first half", torch.arange(m // 2))):
             a, n = agreement(draft, frames, fps, answer, keep)
             kinds[name, 0] += a
             kinds[name, 1] += n

@@ -22,6 +22,7 @@ import torch
 
 from models.decoding import greedy_answer, prefill_video
 from models.load import load_model
+from models.pruning import keep_top, uv_scores
 from zoo import WEIGHTS, captions, world
 from zoo.videos import ensure_video
 
@@ -58,17 +59,16 @@ def agreement(draft, frames, fps, answer: list[int], keep: torch.Tensor | None =
 
 
 def uv_keep(target, frames, fps, alpha: float, layers=(0, 1, 2)) -> torch.Tensor:
-    """The visual tokens UV-Prune keeps at pruning ratio `alpha` (stages.prune.UVPrune with its
-    defaults: variant as_written, the query as text), from `target`'s prefill of the whole video."""
-    from stages.prune import keep_fraction, uv_scores
-
+    """The visual tokens UV-Prune keeps at the paper's pruning ratio `alpha` (the share dropped:
+    the UVPrune stage's keep = 1 − α, with its defaults: variant as_written, the query as text),
+    from `target`'s prefill of the whole video. The zoo's agreement tables are in the paper's α."""
     layout = target.layout(PROMPT, frames.shape[0], tuple(frames.shape[-2:]), fps)
     taps: dict[int, torch.Tensor] = {}
     target.prefill(target.new_cache(), target.embed(layout.ids, target.encode(frames), layout.video_start),
                    layout.positions, taps=layers, on_tap=lambda layer, h: taps.__setitem__(layer, h), logits="none")
     scores = uv_scores(taps, layout.video, torch.arange(layout.video_start + layout.n_video, layout.length),
                        sorted(layers))
-    return keep_fraction(scores, alpha)
+    return keep_top(scores, 1.0 - alpha)
 
 
 def frames_of(seed: int, seconds: float, fps: float) -> tuple[torch.Tensor, world.Truth]:

@@ -60,3 +60,21 @@ def test_a_misspelt_stage_key_is_refused():
 
     with pytest.raises(ConfigError, match="group_framez"):
         validate(composed(["+experiment=quickvideo", "+graph.nodes.prefill.stage.group_framez=4"]))
+
+
+def test_the_old_pruning_keys_are_refused_before_anything_loads_and_the_errors_name_keep():
+    """Every pruner takes `keep`, the share kept: a config still written with QuickPrefill's `ratio`
+    or UV-Prune's `alpha` (the share dropped) must fail, not run with the default share (the
+    group prefill's own prune keys: tests/stages/test_prune.py)."""
+    from hydra.errors import ConfigCompositionException
+
+    from graph.spec import ConfigError
+
+    with pytest.raises(ConfigCompositionException, match="alpha"):
+        composed(["+experiment=parallelvlm", "graph.uv.alpha=0.9"])
+    with pytest.raises(ConfigCompositionException, match="ratio"):
+        composed(["+experiment=quickvideo", "graph.prune.ratio=0.2"])
+    with pytest.raises(ConfigError, match=r"UVPrune\(\) does not accept these kwargs: unexpected 'alpha'.*accepts: keep"):
+        validate(composed(["+experiment=parallelvlm", "+graph.nodes.prune.stage.alpha=0.9"]))
+    with pytest.raises(ConfigError, match=r"AttentionPrune\(\) does not accept these kwargs: unexpected 'alpha'.*accepts: keep"):
+        validate(composed(["+experiment=specvlm", "+graph.nodes.prune.stage.alpha=0.9"]))

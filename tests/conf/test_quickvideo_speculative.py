@@ -2,7 +2,7 @@
 prefill, each group's KV pruned) for the target, then Sparrow's head or ParallelVLM's draft.
 QuickPrefill is lossy against the unpruned target, so lossless here means: the same tokens as the
 pruned target's own greedy decoding (graph quickvideo), on held-out toy videos, for both families.
-The prune is strong and decays with depth (ρ 0.3, decay 0.8), so the target's layers hold caches of
+The prune is strong and decays with depth (keep ρ = 0.3, decay 0.8), so the target's layers hold caches of
 different lengths: the tree's cache edits and the draft's positions must cope with both."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from tests.test_run import run
 
-PRUNE = ["graph.prune.ratio=0.3", "graph.prune.decay=0.8", "graph.group_frames=8"]
+PRUNE = ["graph.prune.keep=0.3", "graph.prune.decay=0.8", "graph.group_frames=8"]
 DATA = ["data=toy_eval", "data.toy.videos=3", "data.toy.first_seed=230", "graph.max_new_tokens=48"]
 
 

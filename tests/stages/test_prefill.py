@@ -53,7 +53,7 @@ def test_group_prefill_with_ratio_one_is_token_identical_to_one_shot_and_generat
     model = {"path": str(path), "fps": FPS[arch], "size": 84, "name": arch}
     try:
         one_shot = run_graph(ar_nodes(model), Request("v", str(video), PROMPT)).outputs["generate.tokens"]
-        nodes = quickvideo_nodes(model, group_frames=group_frames, prune={"ratio": 1.0})
+        nodes = quickvideo_nodes(model, group_frames=group_frames, prune={"keep": 1.0})
         nodes["decode"]["stage"]["group_frames"] = 4
         grouped = run_graph(nodes, Request("v", str(video), PROMPT)).outputs["generate.tokens"]
         ref = reference_ids(model, str(video), PROMPT, 20)
@@ -72,7 +72,7 @@ def test_group_prefill_with_ratio_one_is_token_identical_to_one_shot_and_generat
 @pytest.mark.parametrize("importance", ["key_norm", "value_change"])
 def test_each_group_keeps_ceil_ratio_of_its_entries_in_every_layer(qwen, importance):
     model, video = qwen
-    prune = {"importance": importance, "ratio": 0.3, "start_layer": 1, "decay": 0.8}
+    prune = {"importance": importance, "keep": 0.3, "start_layer": 1, "decay": 0.8}
     tokens = run_graph(quickvideo_nodes(model, group_frames=10, prune=prune), Request("v", video, PROMPT)).outputs["generate.tokens"]
     stats = tokens.meta["prefill"]
     groups = [45, 45, 18]                         # 24 frames in groups of 10, 10, 4: 5, 5, 2 steps of 9 tokens
@@ -103,7 +103,7 @@ def test_a_pruned_cache_keeps_positions_and_decodes_at_the_logical_length(tmp_pa
     model = {"path": str(path), "fps": 2, "size": 84}
     request = Request("v", str(video), PROMPT)
     try:
-        stage = Prefill(model, mode="groups", group_frames=8, prune={"importance": "key_norm", "ratio": 0.4})
+        stage = Prefill(model, mode="groups", group_frames=8, prune={"importance": "key_norm", "keep": 0.4})
         stage.setup(_Ctx(0, request))
         lm = stage.lm
         frames, _ = read_video(str(video), fps=2, size=84)
@@ -140,7 +140,7 @@ def test_a_pruned_cache_keeps_positions_and_decodes_at_the_logical_length(tmp_pa
 
 def test_overlapped_and_sequential_runs_give_the_same_tokens(qwen):
     model, video = qwen
-    nodes = quickvideo_nodes(model, group_frames=6, prune={"importance": "key_norm", "ratio": 0.5})
+    nodes = quickvideo_nodes(model, group_frames=6, prune={"importance": "key_norm", "keep": 0.5})
     out = {}
     for runner in ("threaded", "sequential"):
         spec, plan = make(nodes, runner=runner)
@@ -183,7 +183,7 @@ def test_a_decode_failure_mid_stream_cancels_the_prefill_cleanly(qwen, no_leftov
     """The decoder fails after two groups, with encode and prefill already working on them: the
     run raises naming the decoder, and no thread, process or shared memory is left behind."""
     model, video = qwen
-    nodes = quickvideo_nodes(model, group_frames=4, prune={"ratio": 0.5})
+    nodes = quickvideo_nodes(model, group_frames=4, prune={"keep": 0.5})
     nodes["decode"]["stage"]["_target_"] = f"{__name__}.FailingQuickCodec"
     spec, plan = make(nodes)
     with Executor(spec, plan, progress=False) as ex:

@@ -23,7 +23,7 @@ def test_uv_keep_is_the_uvprune_stages_choice_and_the_selected_path_matches_the_
     taps = {}
     target.prefill(target.new_cache(), target.embed(layout.ids, target.encode(ex.frames), layout.video_start),
                    layout.positions, taps=[0, 1, 2], on_tap=lambda layer, h: taps.__setitem__(layer, h), logits="none")
-    stage = UVPrune(alpha=0.9)(None, Taps(taps, layout=layout, model=target.name))["selection"]
+    stage = UVPrune(keep=0.1)(None, Taps(taps, layout=layout, model=target.name))["selection"]
     assert torch.equal(stage.keep, keep)
     answer = greedy_answer(target, ex.frames, 2.0, PROMPT, 24)
     whole = agreement(draft, ex.frames, 2.0, answer)

@@ -19,28 +19,28 @@ from __future__ import annotations
 
 import torch
 
-from stages.prune import keep_fraction, uv_scores
+from models.pruning import keep_top, uv_scores
 
 
 def keep_mask(is_video: torch.Tensor, scores: torch.Tensor, fractions: torch.Tensor) -> torch.Tensor:
     """True where a token is seen: every token that is not visual, and in row b the ⌈fractions[b]·m⌉
     visual tokens (of its m) with the highest `scores`, with UV-Prune's own rounding
-    (stages.prune.keep_fraction, α = 1 − fraction). is_video: bool [batch, seq]; scores: float
+    (models.pruning.keep_top). is_video: bool [batch, seq]; scores: float
     [batch, seq] (read on visual tokens only); fractions: float [batch] in (0, 1], 1 keeps all."""
     keep = ~is_video.clone()
     for b in range(is_video.shape[0]):
         where = is_video[b].nonzero()[:, 0]
         if where.numel() == 0:
             continue
-        f = round(float(fractions[b]), 6)       # a float32 0.3 is not 1 - 0.7 to 9 digits
-        chosen = where if f >= 1.0 else where[keep_fraction(scores[b, where].float().cpu(), 1.0 - f).to(where.device)]
+        f = round(float(fractions[b]), 6)       # a float32 0.3 is 0.30000001: its ceiling would take a token more
+        chosen = where if f >= 1.0 else where[keep_top(scores[b, where].float().cpu(), f).to(where.device)]
         keep[b, chosen] = True
     return keep
 
 
 def uv_token_scores(hidden: tuple | list, is_video: torch.Tensor, prompt_end: torch.Tensor,
                     layers: tuple[int, int]) -> torch.Tensor:
-    """UV-Prune's score (stages.prune.uv_scores, as_written, the query as text) of each visual token
+    """UV-Prune's score (models.pruning.uv_scores, as_written, the query as text) of each visual token
     of each row, from a teacher's hidden states as the model's forward returns them (hidden[l]
     [batch, seq, d], l = 0 the embeddings): the change of its similarity to the text between the
     video and `prompt_end[b]` (where the answer starts), from layer layers[0] to layers[1]. The
