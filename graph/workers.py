@@ -111,6 +111,7 @@ class Worker:
         self.elastic, self._threads_now = elastic, torch_threads
         self.stages: dict[str, Any] = {}
         self.busy = False
+        self.waiting = False          # its job's emit waits on a full channel: busy, but on no core
         self.running: str | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=f"reelflow-{name}", daemon=True)
