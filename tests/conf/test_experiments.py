@@ -78,3 +78,16 @@ def test_the_old_pruning_keys_are_refused_before_anything_loads_and_the_errors_n
         validate(composed(["+experiment=parallelvlm", "+graph.nodes.prune.stage.alpha=0.9"]))
     with pytest.raises(ConfigError, match=r"AttentionPrune\(\) does not accept these kwargs: unexpected 'alpha'.*accepts: keep"):
         validate(composed(["+experiment=specvlm", "+graph.nodes.prune.stage.alpha=0.9"]))
+
+
+@pytest.mark.parametrize("experiment", ["sparrow", "quickvideo_sparrow"])
+def test_sparrows_tree_fits_the_machine_and_the_papers_shape_is_one_override_away(experiment):
+    """10-6-2 on CPU cores, where a big tree costs several target steps to verify; 30-4-8 on GPUs."""
+    def shape(*overrides):
+        stage = composed([f"+experiment={experiment}", *overrides]).graph.nodes.draft.stage
+        return stage.total, stage.depth, stage.topk
+
+    assert shape() == shape("resources=split") == (10, 6, 2)
+    assert shape("resources=gpu") == shape("resources=gpu2") == (30, 4, 8)
+    assert shape('graph.tree_shape={total: 30, depth: 4, topk: 8}') == (30, 4, 8)
+    assert shape("graph.tree_shape.total=16") == (16, 6, 2)
