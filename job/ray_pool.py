@@ -42,7 +42,7 @@ class RequestWorker:
     executor; the next request gets a new one, and the models, cached in this process, stay."""
 
     def __init__(self, cfg: dict, warmup_request: Any = None, cores: list[int] | None = None):
-        from job.run import graph_ports
+        from job.prepare import graph_ports
 
         if cores:             # a local Ray: this worker's own cores (its decoders inherit them), before any thread starts
             os.sched_setaffinity(0, set(cores))
@@ -61,7 +61,7 @@ class RequestWorker:
 
     def _build(self) -> None:
         from graph.executor import Executor
-        from job.run import prepare
+        from job.prepare import prepare
 
         self.spec, self.plan = prepare(self.cfg)
         ex = self.cfg.get("executor") or {}
@@ -78,7 +78,7 @@ class RequestWorker:
 
     def run(self, request: Any, want_trace: bool = False) -> dict:
         from graph.executor import StageFailed
-        from job.run import run_metrics
+        from job.report import run_metrics
 
         if self.executor is None:
             self._build()
@@ -242,7 +242,7 @@ def _prepare_run_dir(cluster: dict, run_dir: Path) -> None:
 def run_on_ray(cfg: DictConfig, requests: list[Any], run_dir: Path, spec, plan) -> dict[str, Any]:
     """Every request over the pool; results.jsonl as they finish; metrics.json, summary.md and the
     trace (of the first request to finish) at the end, as a local run writes them."""
-    from job.run import write_metrics, write_trace_files
+    from job.report import write_metrics, write_trace_files
 
     try:
         import ray  # noqa: F401
