@@ -16,7 +16,7 @@ VideoLM protocol exactly as the stages call it:
 With `--pair DRAFT TARGET`, the draft is also timed at the contexts it keeps after pruning a
 share α of the video (`--alphas`), and a second table gives ParallelVLM's Table-3 analogue:
 Tp (the target verifying `--gamma` tokens over the full context), Tq(α) (the draft's step over
-the pruned one), c* = Tp / Tq(α), and the seed's Eq. 7 projection τ̂ · c* at a few acceptance
+the pruned one), c* = Tp / Tq(α), and the paper's Eq. 7 projection τ̂ · c* at a few acceptance
 rates τ̂ (random weights have no acceptance of their own; the toy pair's is measured by bench_sd).
 
 Writes outputs/bench_realsize/<time>/: results.json (every figure), table.md, realsize.png.
@@ -150,13 +150,13 @@ def sparrow_costs(lm, cache, layout, token: int, position: int, repeats: int, *,
     and drafts a `total`-`depth`-`topk` dynamic tree; the target verifies a tree of `total` nodes
     over its whole cache. Medians of `repeats` + 1 (the first untimed)."""
     from models.sparrow import HeadCache, SparrowConfig, SparrowHead
-    from bench.cost import bushy_tree
-    from stages.sparrow import draft_tree
+    from speculative.head_draft import draft_tree
+    from speculative.tree import bushy_tree, tree_depths, tree_mask
 
     torch.manual_seed(0)
     head = SparrowHead(SparrowConfig.of_target(lm)).to(lm.device, lm.dtype).eval()
     head_cache = HeadCache.empty(head)
-    z = torch.randn(text + 1, lm.text_config.hidden_size, device=lm.device, dtype=lm.dtype)
+    z = torch.randn(text + 1, lm.hidden_size, device=lm.device, dtype=lm.dtype)
     top = head(head_cache, z[:text], torch.arange(text))[-1]
 
     def step():
@@ -164,12 +164,13 @@ def sparrow_costs(lm, cache, layout, token: int, position: int, repeats: int, *,
         head_cache.crop(text)
 
     def tree():
-        draft_tree(head, lm, head_cache, top, text, total=total, depth=depth, topk=topk, vocab=lm.vocab_size)
+        draft_tree(head, lm, head_cache, top, text, total=total, depth=depth, topk=topk, vocab=lm.vocabulary)
 
     ids, parents = torch.full((total,), token), bushy_tree(total, topk)
+    mask, depths = tree_mask(parents), tree_depths(parents)
 
     def verify():
-        lm.score_tree(cache, ids, parents, position, layout, hidden=True)
+        lm.score_tree(cache, ids, mask, depths, position, layout, hidden=True)
         lm.drop_last(cache, total)
 
     timed = {}
@@ -199,10 +200,7 @@ def decode_path(lm, path: str):
 def step_bytes(lm, cache) -> int:
     """Bytes a decode step must read: the decoder layers' weights, the final norm, the LM head
     (the input embedding is a row lookup) and the cached entries."""
-    weights = sum(p.numel() * p.element_size() for p in lm.text.layers.parameters())
-    weights += sum(p.numel() * p.element_size() for p in lm.text.norm.parameters())
-    weights += lm.lm_head.weight.numel() * lm.lm_head.weight.element_size()
-    return int(weights + lm.cache_bytes(cache))
+    return lm.step_weight_bytes() + int(lm.cache_bytes(cache))
 
 
 def copy_bandwidth(device, repeats: int, size: int = 2**30) -> float:

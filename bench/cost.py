@@ -16,7 +16,8 @@ import torch
 
 from graph.stage import In, Out, Stage
 from models.registry import get_model
-from stages.types import KV, Tokens
+from speculative.tree import bushy_tree, tree_depths, tree_mask
+from stages.types import PrefillResult, Tokens
 
 
 def parse_shape(shape) -> tuple[str, int]:
@@ -31,20 +32,10 @@ def parse_shape(shape) -> tuple[str, int]:
     return kind, int(count)
 
 
-def bushy_tree(n: int, width: int = 4) -> torch.Tensor:
-    """parents [n] of a tree shaped like a draft's dynamic tree: `width` roots, each node with up
-    to `width` children, filled breadth first (30 nodes, width 4: depths 0-2)."""
-    parents = [-1 if i < width else (i - width) // width for i in range(n)]
-    return torch.tensor(parents, dtype=torch.long)
-
-
 def step_bytes(lm, cache) -> dict:
     """Bytes a forward of a few tokens must read: every decoder layer's weights, the final norm
     and the LM head (the input embedding is a row lookup: left out), and the cached entries."""
-    weights = sum(p.numel() * p.element_size() for p in lm.text.layers.parameters())
-    weights += sum(p.numel() * p.element_size() for p in lm.text.norm.parameters())
-    weights += lm.lm_head.weight.numel() * lm.lm_head.weight.element_size()
-    return {"weight_bytes": int(weights), "cache_bytes": int(lm.cache_bytes(cache))}
+    return {"weight_bytes": lm.step_weight_bytes(), "cache_bytes": int(lm.cache_bytes(cache))}
 
 
 class StepCost(Stage):
@@ -53,7 +44,7 @@ class StepCost(Stage):
     timer "k<k>" or "tree<n>", and the copy as "copy")."""
 
     placement = "gpu"
-    inputs = {"kv": In(KV)}
+    inputs = {"kv": In(PrefillResult)}
     outputs = {"tokens": Out(Tokens)}
 
     def __init__(self, model: dict, shapes: list | tuple = (1, 2, 4, 8, 16, "tree30"), repeats: int = 30):
@@ -66,20 +57,20 @@ class StepCost(Stage):
     def setup(self, ctx) -> None:
         self.lm = get_model(self.model, ctx.device)
 
-    def __call__(self, ctx, kv: KV):
+    def __call__(self, ctx, kv: PrefillResult):
         lm, layout = self.lm, kv.layout
         token = int(kv.logits.argmax())
         start = kv.logical_length
         for kind, n in self.shapes:
             ids = torch.full((n,), token)
             name = f"k{n}" if kind == "chain" else f"tree{n}"
-            parents = bushy_tree(n) if kind == "tree" else None
+            tree = (tree_mask(bushy_tree(n)), tree_depths(bushy_tree(n))) if kind == "tree" else None
             for _ in range(self.repeats + 1):     # the first is a warm-up, untimed
                 with ctx.timer(name) if _ else contextlib.nullcontext():
-                    if parents is None:
+                    if tree is None:
                         lm.score(kv.cache, ids, start, layout)
                     else:
-                        lm.score_tree(kv.cache, ids, parents, start, layout)
+                        lm.score_tree(kv.cache, ids, *tree, start, layout)
                 lm.drop_last(kv.cache, n)
         sizes = step_bytes(lm, kv.cache)
         total = sizes["weight_bytes"] + sizes["cache_bytes"]
@@ -99,7 +90,7 @@ class ScoreCost(Stage):
     For bench_verify: the verifier's forward against the one-token step of autoregressive decoding."""
 
     placement = "gpu"
-    inputs = {"kv": In(KV)}
+    inputs = {"kv": In(PrefillResult)}
     outputs = {"tokens": Out(Tokens)}
 
     def __init__(self, model: dict, k: int = 4, repeats: int = 20):
@@ -111,7 +102,7 @@ class ScoreCost(Stage):
     def setup(self, ctx) -> None:
         self.lm = get_model(self.model, ctx.device)
 
-    def __call__(self, ctx, kv: KV):
+    def __call__(self, ctx, kv: PrefillResult):
         ids = torch.full((self.k,), int(kv.logits.argmax()))
         for _ in range(self.repeats):
             self.lm.score(kv.cache, ids, kv.logical_length, kv.layout)
@@ -119,4 +110,4 @@ class ScoreCost(Stage):
         return {"tokens": Tokens([], None, {"k": self.k, "repeats": self.repeats,
                                             "cache_entries": self.lm.cached_length(kv.cache),
                                             "lean": self.lm.lean is not None,
-                                            "attn_implementation": self.lm.text_config._attn_implementation})}
+                                            "attn_implementation": self.lm.attn_implementation})}

@@ -5,7 +5,7 @@ A stage is a class with typed ports declared as class data and a placement kind:
     class Prefill(Stage):
         placement = "gpu"
         inputs = {"group": In(VisualTokens, stream=True)}   # called once per group
-        outputs = {"kv": Out(KV), "hidden": Out(Taps, tap=True)}
+        outputs = {"kv": Out(PrefillResult), "hidden": Out(Taps, tap=True)}
 
         def setup(self, ctx): ...                      # load weights, allocate
         def start_run(self, ctx): ...                  # reset what belongs to one run (request)

@@ -14,7 +14,7 @@ the model's own code (Qwen2.5-VL: `get_rope_index`, 3-D MRoPE; LLaVA-OneVision: 
 is prefilled with the columns of that table it covers, so a pruned or group-wise prefill carries
 each token's original position. Tokens after the prompt sit at `logical index + rope_delta` in
 every dimension (what `generate()` does), where the logical index counts pruned tokens too: a
-pruned cache is shorter than its logical length, and the caller keeps both (stages.types.KV).
+pruned cache is shorter than its logical length, and the caller keeps both (stages.types.PrefillResult).
 
 The forward is the model's own decoder layers, run one by one so that hidden states can be
 published after chosen layers while the rest of the forward goes on (`on_tap`) and the cache
@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from models.attention import SMALL_QUERY, sdpa_kernels
-from models.lean import LeanDecoder, tree_depths, tree_mask
+from models.lean import LeanDecoder
 from models.prompt import video_prompt_ids
 
 
@@ -237,25 +237,63 @@ class VideoLM:
             return self._lean_logits(cache, ids, layout.decode_positions(start, ids.shape[0])[0], None)
         return self.prefill(cache, self.embed(ids), layout.decode_positions(start, ids.shape[0]), logits="all", **kw)
 
-    def score_tree(self, cache, ids: torch.Tensor, parents: torch.Tensor, start: int, layout: Layout,
-                   hidden: bool = False):
+    def score_tree(self, cache, ids: torch.Tensor, mask: torch.Tensor, depths: torch.Tensor, start: int,
+                   layout: Layout, hidden: bool = False):
         """Logits [n, vocab] for a tree of n candidate tokens after the cached sequence, in one
-        forward: node i (ids[i]) follows its parent parents[i] (-1: the last cached token), sits
-        at logical index start + its depth, and attends to the cache and its own ancestors. All n
-        entries join the cache in node order (keep the accepted path's with `keep_path`).
+        forward: node i (ids[i]) sits at logical index start + depths[i] and attends to the cache
+        and to the nodes mask[i] [n] allows (itself and its ancestors: speculative.tree.tree_mask).
+        All n entries join the cache in node order (keep the accepted path's with `keep_path`).
         hidden: also return the final-norm hidden states [n, hidden] (returns (logits, hidden))."""
-        ids, parents = ids.reshape(-1), parents.reshape(-1)
-        positions = start + tree_depths(parents) + layout.rope_delta             # [n]
+        ids = ids.reshape(-1)
+        positions = start + depths.reshape(-1) + layout.rope_delta               # [n]
         if self.lean is not None and ids.shape[0] <= SMALL_QUERY:
-            return self._lean_logits(cache, ids, positions, tree_mask(parents), hidden=hidden)
+            return self._lean_logits(cache, ids, positions, mask, hidden=hidden)
         positions = positions.expand(layout.positions.shape[0], -1)              # [P, n]: one value per row
-        return self.prefill(cache, self.embed(ids), positions, logits="all", among=tree_mask(parents), hidden=hidden)
+        return self.prefill(cache, self.embed(ids), positions, logits="all", among=mask, hidden=hidden)
 
     @torch.inference_mode()
     def _lean_logits(self, cache, ids: torch.Tensor, positions: torch.Tensor, mask, hidden: bool = False):
         states = self.lean.forward(cache, self.embed(ids), positions, mask)
         logits = self.lm_head(states).float()
         return (logits, states) if hidden else logits
+
+    # ----------------------------------------------------------------------------- what stages read
+
+    @property
+    def vocabulary(self) -> int:
+        """The token ids a draft and its target are compared over: those the tokenizer defines and
+        the LM head scores (rows past the tokenizer are padding)."""
+        return min(len(self.tokenizer), self.vocab_size)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest context the checkpoint declares, when it declares one."""
+        return getattr(self.text_config, "max_position_embeddings", None)
+
+    @property
+    def attn_implementation(self) -> str:
+        return self.text_config._attn_implementation
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Decoder-layer output [n, hidden] -> the final-norm states the LM head reads."""
+        return self.text.norm(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-norm states [..., hidden] -> float32 logits [..., vocab_size]."""
+        return self.lm_head(hidden).float()
+
+    def step_weight_bytes(self) -> int:
+        """Bytes of weights a forward of a few new tokens reads: every decoder layer, the final norm
+        and the LM head (the input embedding is a row lookup: left out)."""
+        params = [*self.text.layers.parameters(), *self.text.norm.parameters(), self.lm_head.weight]
+        return int(sum(p.numel() * p.element_size() for p in params))
+
+    def parameter_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
 
     # ----------------------------------------------------------------------------- cache edits
 
@@ -342,6 +380,6 @@ class VideoLM:
         raise NotImplementedError
 
     def describe(self) -> dict:
-        n = sum(p.numel() for p in self.model.parameters())
-        return {"name": self.name, "arch": self.arch, "parameters": n, "dtype": str(self.dtype).removeprefix("torch."),
-                "device": str(self.device), "attn_implementation": self.text_config._attn_implementation}
+        return {"name": self.name, "arch": self.arch, "parameters": self.parameter_count(),
+                "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
+                "attn_implementation": self.attn_implementation}

@@ -17,7 +17,7 @@ position is exact. Prefill, taps and attention capture stay on the model's own f
 
     lean = LeanDecoder.of(lm.text)            # None when the model's layers are not the Qwen2 kind
     hidden = lean.forward(cache, embeds, positions)                       # [n, hidden], final norm
-    hidden = lean.forward(cache, embeds, positions, mask=tree_mask(parents))  # candidates as a tree
+    hidden = lean.forward(cache, embeds, positions, mask=mask)   # candidates as a tree (speculative.tree)
 """
 
 from __future__ import annotations
@@ -64,28 +64,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-def tree_mask(parents: torch.Tensor) -> torch.Tensor:
-    """parents int64 [n] (parents[i] < i, or -1 for a root: a child of the last cached token) ->
-    bool [n, n]: row i attends to column j iff j is i or one of its ancestors. A chain
-    (parents = i - 1) gives the causal mask."""
-    n = parents.shape[0]
-    mask = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(parents.tolist()):
-        if p >= i:
-            raise ValueError(f"node {i}'s parent {p} is not before it: a tree lists parents first")
-        if p >= 0:
-            mask[i] |= mask[p]
-    return mask
-
-
-def tree_depths(parents: torch.Tensor) -> torch.Tensor:
-    """parents int64 [n] as in tree_mask -> depth of each node [n] (a root has depth 0)."""
-    depth: list[int] = []
-    for p in parents.tolist():
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return torch.tensor(depth, dtype=torch.long)
 
 
 class LeanDecoder:

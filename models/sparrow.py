@@ -1,6 +1,6 @@
 """Sparrow's draft head: one decoder layer on the target's hidden states that attends to text only.
 
-What it computes (the seed's Eq. 1-2, EAGLE's head):
+What it computes (the paper's Eq. 1-2, EAGLE's head):
 
     z_t   = FC(e_t ⊕ h_{t-1})          e_t: the target's embedding of token t (shared, frozen);
                                         h_{t-1}: the target's feature of the token before t, or,
@@ -8,7 +8,7 @@ What it computes (the seed's Eq. 1-2, EAGLE's head):
     ĥ_t   = Layer(z_t | the head's cache)  one decoder layer shaped like one of the target's
     p_t+1 = softmax(lm_head(ĥ_t))       the target's LM head (shared, frozen)
 
-Choices the seed leaves open, made here (config keys of the head, `SparrowConfig`):
+Choices the paper leaves open, made here (config keys of the head, `SparrowConfig`):
 
 - **The feature h** is the target's *final-norm* hidden state, the vector its LM head reads
   (VideoLM.prefill(hidden=True)); EAGLE's "second-to-top" feature. The head regresses it, so

@@ -14,12 +14,12 @@ from graph.stage import In, Out, Stage
 from models.decoding import decode
 from models.registry import get_model
 from models.sampling import Sampling
-from stages.types import KV, Tokens
+from stages.types import PrefillResult, Tokens
 
 
 class Generate(Stage):
     placement = "gpu"
-    inputs = {"kv": In(KV)}
+    inputs = {"kv": In(PrefillResult)}
     outputs = {"first": Out(Tokens, tap=True), "tokens": Out(Tokens)}
 
     def __init__(self, model: dict, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
@@ -36,7 +36,7 @@ class Generate(Stage):
     def _pick(self, logits: torch.Tensor, rng: torch.Generator) -> int:
         return self.sampling.pick(logits, rng)[0]
 
-    def __call__(self, ctx, kv: KV):
+    def __call__(self, ctx, kv: PrefillResult):
         lm = self.lm
         rng = torch.Generator().manual_seed(self.seed)
         out = []

@@ -31,7 +31,7 @@ from graph.stage import In, Out, Stage
 from models.memory import PeakMemory
 from models.registry import get_model
 from stages.prune import GroupKVPrune
-from stages.types import KV, Request, Selection, Taps, VisualTokens
+from stages.types import PrefillResult, Request, Selection, Taps, VisualTokens
 
 DEFAULT_PROMPT = "describe the video ."
 
@@ -49,7 +49,7 @@ class Prefill(Stage):
 
     placement = "gpu"
     inputs = {"tokens": In(VisualTokens, stream=True), "request": In(Request)}
-    outputs = {"kv": Out(KV, resident=True), "taps": Out(Taps, tap=True), "attention": Out(Taps, tap=True)}
+    outputs = {"kv": Out(PrefillResult, resident=True), "taps": Out(Taps, tap=True), "attention": Out(Taps, tap=True)}
 
     def __init__(self, model: dict, mode: str = "one_shot", max_new_tokens: int = 256, group_frames: int = 0,
                  prune: dict | None = None, measure_memory: bool = False, taps: list | None = None,
@@ -85,8 +85,8 @@ class Prefill(Stage):
 
     def setup(self, ctx) -> None:
         self.lm = get_model(self.model, ctx.device)
-        if self.taps and self.taps[-1] > self.lm.text_config.num_hidden_layers:
-            raise ValueError(f"taps {self.taps}: {self.lm.name} has {self.lm.text_config.num_hidden_layers} layers")
+        if self.taps and self.taps[-1] > self.lm.n_layers:
+            raise ValueError(f"taps {self.taps}: {self.lm.name} has {self.lm.n_layers} layers")
         self._reset()
 
     def _reset(self) -> None:
@@ -165,7 +165,7 @@ class Prefill(Stage):
             end = layout.video_start + layout.n_video
             query = layout.ids[end:]
             attention = lm.attention_scores(self.cache, lm.embed(query), layout.positions[:, end:],
-                                            layers=range(1, len(self.cache.layers) + 1))
+                                            layers=range(1, lm.n_layers + 1))
             lm.drop_last(self.cache, query.shape[0])
         keep = self.pruner.select(lambda layer: lm.layer_kv(self.cache, layer), lm.layer_lengths(self.cache), n,
                                   attention, step_tokens=self.step_tokens)
@@ -207,7 +207,7 @@ class Prefill(Stage):
                  "kv_bytes": self.lm.cache_bytes(self.cache),
                  "peak_group_bytes": max(peaks) if peaks else None,
                  "prune": self.pruner.describe() if self.pruner else None}
-        kv = KV(self.cache, layout.length, layout=layout, logits=logits, model=self.lm.name,
+        kv = PrefillResult(self.cache, layout.length, layout=layout, logits=logits, model=self.lm.name,
                 n_video_tokens=layout.n_video, frames=self.frames, prefill=stats)
         self._reset()
         return {"kv": kv}
@@ -240,7 +240,7 @@ class Prefill(Stage):
         return on_tap
 
     def _check_context(self, layout) -> None:
-        limit = getattr(self.lm.text_config, "max_position_embeddings", None)
+        limit = self.lm.max_positions
         # tokens held (what memory and attention pay) and positions used (MRoPE compresses them)
         need = max(layout.length, int(layout.positions.max()) + 1) + self.max_new_tokens
         if limit and need > limit:
@@ -267,7 +267,7 @@ class SelectedPrefill(Prefill):
     shorter than the logical length and decoding continues at the logical positions."""
 
     inputs = {"tokens": In(VisualTokens, stream=True), "request": In(Request), "selection": In(Selection)}
-    outputs = {"kv": Out(KV, resident=True)}
+    outputs = {"kv": Out(PrefillResult, resident=True)}
 
     def __init__(self, model: dict, max_new_tokens: int = 256, mode: str = "one_shot"):
         if mode != "one_shot":
@@ -299,7 +299,7 @@ class SelectedPrefill(Prefill):
         stats = {"mode": "selected", "logical_length": layout.length, "video_tokens": layout.n_video,
                  "video_tokens_kept": int(selection.keep.numel()), "kv_bytes": self.lm.cache_bytes(self.cache),
                  "kept_share_by_tenth": [round(float(x), 4) for x in tenths / tenths.sum()]}
-        kv = KV(self.cache, layout.length, layout=layout, logits=logits, model=self.lm.name,
+        kv = PrefillResult(self.cache, layout.length, layout=layout, logits=logits, model=self.lm.name,
                 n_video_tokens=layout.n_video, frames=self.frames, prefill=stats)
         self._reset()
         return {"kv": kv}

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from graph.executor import Executor
-from models.lean import tree_depths
 from models.load import load_model
 from models.registry import release_all
-from bench.cost import bushy_tree, parse_shape, step_bytes
+from bench.cost import parse_shape, step_bytes
 from stages.types import Request
 from tests.helpers import make, node
 from tests.models.test_adapters import random_checkpoint
@@ -24,13 +23,6 @@ def test_shapes_parse_and_bad_ones_are_refused():
     for bad in ("k0", "tree", "x3", -2):
         with pytest.raises(ValueError, match="shape"):
             parse_shape(bad)
-
-
-def test_the_bushy_tree_is_a_draft_trees_shape():
-    parents = bushy_tree(30)
-    assert parents.shape == (30,) and (parents[:4] == -1).all()
-    assert all(p < i for i, p in enumerate(parents.tolist()))                # parents come first
-    assert tree_depths(parents).max() == 2 and torch.bincount(parents[4:]).max() <= 4
 
 
 def test_step_bytes_count_layers_norm_head_and_cached_entries(tmp_path):

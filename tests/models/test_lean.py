@@ -1,7 +1,7 @@
 """The lean decode path (models.lean) against the model's own forward: the same logits and the same
 cache entries for a decode step and a k-token verification, over a whole and a layer-wise pruned
-cache, for both architectures; a tree of candidates scores every node as its own chain would; the
-tree helpers; lean=False keeps the model's forward. Token identity with `generate()` through the
+cache, for both architectures; a tree of candidates scores every node as its own chain would;
+lean=False keeps the model's forward. Token identity with `generate()` through the
 lean path is tested where decoding is (tests/stages/test_generate.py, test_speculative.py).
 
 Tolerance: the lean path runs the layers' operations in the same order on the same tensors, so
@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.lean import tree_depths, tree_mask
 from models.load import load_model
 from tests.models.test_adapters import ARCHS, random_checkpoint
 from zoo.shapes import FPS
+from speculative.tree import tree_depths, tree_mask
 from zoo.train.data import example
 
 ATOL = 1e-4
@@ -87,22 +87,9 @@ def test_a_tree_scores_each_node_as_its_own_chain_would(pair, path):
     ids = torch.tensor([11, 12, 13, 14, 15, 16])
     layout, cache, _ = prefilled(lean)
     n = lean.cached_length(cache)
-    tree = lean.score_tree(cache, ids, parents, layout.length, layout)
+    tree = lean.score_tree(cache, ids, tree_mask(parents), tree_depths(parents), layout.length, layout)
     assert tree.shape == (6, lean.vocab_size) and lean.cached_length(cache) == n + 6
     for leaf_path in ([0, 1, 3], [0, 1, 4], [2, 5]):
         lean.crop(cache, n)
         chain = lean.score(cache, ids[leaf_path], layout.length, layout)
         torch.testing.assert_close(tree[leaf_path], chain, atol=ATOL, rtol=0)
-
-
-def test_tree_helpers():
-    parents = torch.tensor([-1, 0, 0, 1, -1])
-    assert tree_depths(parents).tolist() == [0, 1, 1, 2, 0]
-    mask = tree_mask(parents)
-    assert mask[3].tolist() == [True, True, False, True, False]       # itself, its parent and grandparent
-    assert mask[2].tolist() == [True, False, True, False, False]      # not its sibling
-    assert mask[4].tolist() == [False, False, False, False, True]     # a second root sees no other node
-    chain = tree_mask(torch.arange(-1, 4))
-    assert torch.equal(chain, torch.ones(5, 5, dtype=torch.bool).tril())
-    with pytest.raises(ValueError, match="parent"):
-        tree_mask(torch.tensor([-1, 2, 0]))

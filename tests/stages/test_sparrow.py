@@ -16,8 +16,8 @@ from graph.executor import Executor
 from models.load import load_model
 from models.registry import release_all
 from models.sparrow import HeadCache, SparrowConfig, SparrowHead
-from stages.sparrow import draft_tree
-from stages.tree import check_tree
+from speculative.head_draft import draft_tree
+from speculative.tree import check_tree
 from stages.types import Request
 from tests.helpers import make, node, target_side
 from tests.stages.test_generate import reference_ids

@@ -64,10 +64,10 @@ def parallelvlm_nodes(target, draft, *, alpha=0.7, layers=(0, 1, 2), variant="as
     if attention:         # SpecVLM: the question's attention at target layer 2
         nodes["prefill"]["stage"]["attention"] = [2]
         nodes["prune"] = node("stages.prune.AttentionPrune", on="draft", inputs={"taps": "prefill.attention"},
-                              alpha=alpha, mass=0.5)
+                              keep=1 - alpha, mass=0.5)
     else:
         nodes["prefill"]["stage"]["taps"] = list(layers)
-        nodes["prune"] = node("stages.prune.UVPrune", on="draft", inputs={"taps": "prefill.taps"}, alpha=alpha,
+        nodes["prune"] = node("stages.prune.UVPrune", on="draft", inputs={"taps": "prefill.taps"}, keep=1 - alpha,
                               layers=list(layers), variant=variant)
     nodes["draft_prefill"] = node("stages.prefill.SelectedPrefill", on="draft",
                                   inputs={"tokens": "draft_encode.tokens", "request": "source.request",
@@ -144,7 +144,7 @@ def test_rounds_that_end_at_a_doubted_token_are_lossless(pair, prime):
 def test_own_probability_is_q_when_sampling_and_the_softmax_when_greedy():
     import torch
 
-    from stages.draft import own_probability
+    from speculative.model_draft import own_probability
 
     logits = torch.tensor([2.0, 0.0, -1.0])
     assert own_probability(logits, 0, None) == pytest.approx(float(torch.softmax(logits, -1)[0]))
@@ -187,7 +187,7 @@ def test_a_draft_that_always_agrees_commits_window_plus_one_per_round(pair, prim
 
 
 def test_auto_window_is_the_seeds_eq6_within_bounds():
-    from stages.draft import auto_window
+    from speculative.model_draft import auto_window
 
     assert auto_window(0.420, 0.047, 16) == 9          # ParallelVLM's example: Tp 420 ms, Tq(α=0.9) 47 ms
     assert auto_window(0.420, 0.078, 16) == 5          # ... and unpruned, Tq 78 ms
@@ -206,7 +206,7 @@ def test_auto_window_is_lossless_and_reports_the_measured_times(pair, prime):
     tokens = run_sd(nodes, video)
     assert tokens.ids == reference_ids(target, video, PROMPT, 24)
     meta = tokens.details()
-    assert meta["window_setting"] == "auto" and meta["window"] == 2        # round 1: start_window
+    assert meta["window_setting"] == "auto" and tokens.speculative.windows[0] == 2   # round 1: start_window
     assert meta["tp_ms"] > 0 and meta["tq_ms"] > 0
     assert 1 <= meta["window_last"] <= 6 and 1 <= meta["window_mean"] <= 6
 

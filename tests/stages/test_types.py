@@ -12,7 +12,7 @@ def test_speculative_figures_from_rounds():
     assert m["acceptance_rate"] == round(5 / 12, 4)
     assert m["per_position_acceptance"] == [round(2 / 3, 4), round(1 / 3, 4), round(1 / 3, 4), round(1 / 3, 4)]
     assert m["tp_ms"] == 3.0 and m["tq_ms"] == 0.5 and m["window_last"] == 4 and m["stale_proposals"] == 1
-    # the seed's M: rounds 2 and 3 rejected, so the 8 tokens came in two runs between rollbacks
+    # the paper's M: rounds 2 and 3 rejected, so the 8 tokens came in two runs between rollbacks
     assert m["tokens_per_rollback"] == 4.0
 
 

@@ -1,4 +1,5 @@
-"""The tree verification rules (stages.tree): structure checks, greedy = the target's argmax path
+"""Draft trees: the structure helpers (speculative.tree) and the tree acceptance rules
+(speculative.rules): structure checks, greedy = the target's argmax path
 and the chain rule on a chain, and sampling that commits tokens with exactly the target's
 distribution, with fixed candidates and with candidates drawn from a draft.
 
@@ -12,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.tree import check_tree, children_of, tree_greedy_verify, tree_sample_verify
-from stages.verify import greedy_verify
+from speculative.rules import greedy_verify, tree_greedy_verify, tree_sample_verify
+from speculative.tree import best_subtree, bushy_tree, check_tree, children_of, path_to, tree_depths, tree_mask, under_chain
 
 CHI2_999 = {5: 20.52, 11: 31.26}       # 0.999 quantiles of chi-square with 5 and 11 degrees of freedom
 V = 6
@@ -124,3 +125,43 @@ def test_sampling_on_a_chain_accepts_as_the_chain_rule_would():
         accepted += len(path)
     expected = float(torch.minimum(p[0], q[0]).sum())     # Σ min(p, q): the chain rule's acceptance rate
     assert abs(accepted / n - expected) < 4 * (expected * (1 - expected) / n) ** 0.5
+
+
+def test_tree_helpers():
+    parents = torch.tensor([-1, 0, 0, 1, -1])
+    assert tree_depths(parents).tolist() == [0, 1, 1, 2, 0]
+    mask = tree_mask(parents)
+    assert mask[3].tolist() == [True, True, False, True, False]       # itself, its parent and grandparent
+    assert mask[2].tolist() == [True, False, True, False, False]      # not its sibling
+    assert mask[4].tolist() == [False, False, False, False, True]     # a second root sees no other node
+    chain = tree_mask(torch.arange(-1, 4))
+    assert torch.equal(chain, torch.ones(5, 5, dtype=torch.bool).tril())
+    with pytest.raises(ValueError, match="parent"):
+        tree_mask(torch.tensor([-1, 2, 0]))
+
+
+def test_the_bushy_tree_is_a_draft_trees_shape():
+    parents = bushy_tree(30)
+    assert parents.shape == (30,) and (parents[:4] == -1).all()
+    assert all(p < i for i, p in enumerate(parents.tolist()))                # parents come first
+    assert tree_depths(parents).max() == 2 and torch.bincount(parents[4:]).max() <= 4
+
+
+def test_paths_and_a_tree_hung_under_a_pending_chain():
+    parents = [-1, 0, 0, 1, -1]
+    assert path_to(parents, 3) == [0, 1, 3] and path_to(parents, 4) == [4] and path_to(parents, -1) == []
+    # two committed tokens not yet cached, then the tree under the second one
+    assert under_chain(2, torch.tensor(parents)).tolist() == [-1, 0, 1, 2, 2, 3, 1]
+    assert under_chain(0, torch.tensor(parents)).tolist() == parents
+
+
+def test_best_subtree_keeps_the_most_likely_nodes_closed_under_ancestors():
+    #        0 (-1.0) ─ 2 (-1.5)
+    # root ─ ┤
+    #        1 (-1.2) ─ 3 (-1.2: a tie with its parent)
+    parents, scores, depths = [-1, -1, 0, 1], [-1.0, -1.2, -1.5, -1.2], [1, 1, 2, 2]
+    order, kept = best_subtree(parents, scores, depths, total=2)
+    # the two best are 0 and one of the -1.2 ties; whichever, a kept node's parent is kept
+    assert 0 in order and all(p < i for i, p in enumerate(kept.tolist()))
+    order, kept = best_subtree(parents, scores, depths, total=3)
+    assert sorted(order) == [0, 1, 3] and kept.tolist() == [-1, -1, 1]   # listed by depth, renumbered

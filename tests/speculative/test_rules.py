@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.verify import commit, greedy_verify, speculative_verify
+from speculative.rules import commit, greedy_verify, speculative_verify
 
 CHI2_DF5_P001 = 20.52          # chi-square critical value, 5 degrees of freedom, p = 0.001
 

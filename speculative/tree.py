@@ -1,0 +1,116 @@
+"""Draft trees: their structure, the masks and positions a forward needs, the shapes benchmarks
+use, and the choices of EAGLE-2's dynamic tree. Every tree in reelflow goes through here: the
+Sparrow head's drafting (speculative.head_draft), the target's verification (speculative.verifier
+and models.adapter's tree forward), the acceptance rules (speculative.rules) and the cost bench.
+
+A tree is `tokens` int64 [n] and `parents` int64 [n], listed parents first: parents[i] < i, and
+-1 marks a root (a child of the last committed token). A chain of k tokens is the tree whose
+parents are i − 1, and every function here treats it as the chain it is.
+
+    tree_mask(parents)     bool [n, n]: node i sees node j iff j is i or an ancestor of i
+    tree_depths(parents)   int64 [n]: a root has depth 0
+    path_to(parents, i)    the nodes from a root down to i
+    under_chain(m, parents)  the tree hung under m committed tokens not yet cached (one forward)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def chain_parents(k: int) -> torch.Tensor:
+    """parents [k] of a chain: each token follows the one before it, the first follows the cache."""
+    return torch.arange(k) - 1
+
+
+def children_of(parents: torch.Tensor) -> dict[int, list[int]]:
+    """parents [n] -> {node (-1: the root): its children in tree order}."""
+    out: dict[int, list[int]] = {}
+    for i, p in enumerate(parents.tolist()):
+        out.setdefault(p, []).append(i)
+    return out
+
+
+def check_tree(tokens: torch.Tensor, parents: torch.Tensor) -> None:
+    """Raise ValueError unless tokens [n] and parents [n] form a tree listed parents first whose
+    siblings carry different tokens (two equal siblings would be one candidate counted twice)."""
+    if tokens.shape != parents.shape or tokens.dim() != 1:
+        raise ValueError(f"a tree needs tokens and parents of one shape [n], got {tuple(tokens.shape)} "
+                         f"and {tuple(parents.shape)}")
+    check_parents(parents)
+    for node, kids in children_of(parents).items():
+        toks = tokens[kids].tolist()
+        if len(set(toks)) != len(toks):
+            raise ValueError(f"node {node} has two children with the same token: {toks}")
+
+
+def check_parents(parents: torch.Tensor) -> None:
+    """Raise ValueError unless every parent comes before its child (or is -1, a root)."""
+    for i, p in enumerate(parents.tolist()):
+        if not -1 <= p < i:
+            raise ValueError(f"node {i}'s parent {p} is not before it: a tree lists parents first")
+
+
+def tree_mask(parents: torch.Tensor) -> torch.Tensor:
+    """parents int64 [n] -> bool [n, n]: row i attends to column j iff j is i or one of its
+    ancestors. A chain gives the causal mask."""
+    check_parents(parents)
+    n = parents.shape[0]
+    mask = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents.tolist()):
+        if p >= 0:
+            mask[i] |= mask[p]
+    return mask
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """parents int64 [n] -> the depth of each node [n] (a root has depth 0): a node sits at the
+    logical position `first + depth`, the position it would have in its own chain."""
+    depth: list[int] = []
+    for p in parents.tolist():
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return torch.tensor(depth, dtype=torch.long)
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    """The nodes from a root down to `node` (itself last); [] for -1."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def under_chain(m: int, parents: torch.Tensor) -> torch.Tensor:
+    """parents [n] of a tree -> parents [m + n] of one tree: a chain of m tokens (committed, not yet
+    cached) with the tree's roots hung under its last one. With m = 0 the tree itself."""
+    if m == 0:
+        return parents
+    return torch.cat([chain_parents(m), torch.where(parents < 0, m - 1, parents + m)])
+
+
+def bushy_tree(n: int, width: int = 4) -> torch.Tensor:
+    """parents [n] of a tree shaped like a draft's dynamic tree: `width` roots, each node with up
+    to `width` children, filled breadth first (30 nodes, width 4: depths 0-2). For timing a tree
+    forward of a given size when no head drafts one."""
+    return torch.tensor([-1 if i < width else (i - width) // width for i in range(n)], dtype=torch.long)
+
+
+# ---------------------------------------------------------------------- EAGLE-2's dynamic tree
+
+def to_expand(frontier: list[int], scores: list[float], topk: int) -> list[int]:
+    """The `topk` frontier nodes with the highest cumulative log-probability: the next level grows
+    under them (EAGLE-2's expansion)."""
+    return sorted(frontier, key=lambda i: -scores[i])[:topk]
+
+
+def best_subtree(parents: list[int], scores: list[float], depths: list[int], total: int) -> tuple[list[int], torch.Tensor]:
+    """EAGLE-2's reranking: the `total` nodes with the highest cumulative log-probability, closed
+    under ancestors (a node's ancestors are at least as likely, so this only matters on ties),
+    listed by depth. Returns (the kept nodes in their new order, their parents [m] renumbered)."""
+    keep = set(sorted(range(len(parents)), key=lambda i: -scores[i])[:total])
+    for i in list(keep):
+        keep.update(path_to(parents, i))
+    order = sorted(keep, key=lambda i: (depths[i], i))
+    index = {node: j for j, node in enumerate(order)}
+    return order, torch.tensor([index.get(parents[i], -1) for i in order], dtype=torch.long)
