@@ -1,1 +1,2 @@
-"""Model adapters over transformers (Qwen2.5-VL, LLaVA-OneVision) and the toy zoo: next issues."""
+"""Model adapters over transformers (Qwen2.5-VL, LLaVA-OneVision), the lean decode path, Sparrow's
+draft head, and the pure math the stages share (pruning, sampling, memory)."""

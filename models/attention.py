@@ -6,8 +6,8 @@ function computes softmax(q kᵀ · scale + mask) v directly, one matmul per KV 
 repeated keys), in float32 softmax. A larger query over a cache it hands to sdpa with a
 bottom-right causal bias: a prefill group after earlier ones (QuickPrefill) attends to all of the
 cache and causally within itself, which with transformers' [q, k] mask runs in sdpa's slow masked
-kernel; the causal bias lets sdpa pick its flash kernel (figures: docs/design.md, "Measurements
-behind the design").
+kernel; the causal bias lets sdpa pick its flash kernel (with the mask, a 4,096-token group over
+46K cached entries of a 7B-shaped model took 1.0 s on an H100).
 Anything else (padding, other mask rules, training) goes to transformers' own sdpa function.
 
 Registered with transformers' AttentionInterface (and the sdpa mask function) as "reelflow", so a
@@ -52,8 +52,8 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 def sdpa_kernels(device: torch.device):
     """On CUDA, sdpa may use flash, memory-efficient or math kernels, not cuDNN's: cuDNN attention
     builds an execution plan for every new key length, and in decoding, where the cache grows by
-    one each step, that host time per layer per token costs more than the step's kernels
-    (docs/design.md, "Measurements behind the design")."""
+    one each step, that host time per layer per token costs more than the step's kernels (1.5 ms
+    per layer per token on an H200: a 7B-shaped decode step of 57 ms instead of about 20)."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -69,7 +69,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     the lean path matches the model's forward). One query on CUDA takes sdpa's flash kernel with
     grouped heads: cuBLAS's batched products serve one query against a long cache badly (on an
     H200 the lean 7B step stayed flat from 8K to 32K cached tokens with it, where the model's own
-    forward grew by two thirds: docs/results/2026-11-25-h200-lean.md)."""
+    forward grew by two thirds)."""
     if query.device.type == "cuda" and mask is None and query.shape[2] == 1:
         with sdpa_kernels(query.device):
             out = F.scaled_dot_product_attention(query, key, value, scale=scaling, enable_gqa=True)

@@ -2,7 +2,7 @@
 
 transformers' `DynamicLayer.update` concatenates the cache with the new entries, so every forward
 copies the whole cache, and that copy grows with the cache until it is most of a decode or
-verification step (docs/design.md, "Measurements behind the design"). `GrowingLayer` writes new entries into a buffer with room to spare (growing
+verification step (55 % of a one-token step of the toy target over an 8,100-token cache, 2 CPU cores). `GrowingLayer` writes new entries into a buffer with room to spare (growing
 it by a quarter when full, so a long decode reallocates a handful of times), and hands attention
 views of the filled part. Rolling back (`crop`, or assigning a leading view of the buffer, which
 is what `crop` does) only moves the length; the next entries overwrite what was dropped. Assigning

@@ -6,7 +6,7 @@ those boundaries only to flash-attention implementations; with sdpa or eager it 
 sequence and calls attention once per window: a 32-frame group of 448x448 frames has 256 windows,
 so the 7B tower makes ~7000 small attention calls per group. On an H100 that loop, not the
 arithmetic, set the encoder's time: 23 s for a 30-min video at 1 fps, where its matrix work
-takes ~3 s (docs/results/2026-11-23-figure5-h100.md).
+takes ~3 s (bench_quickvideo_gpu's video on one H100).
 
 `packed_sdpa_attention` takes the packed call instead: windows of equal length (nearly all of them)
 are gathered into one batch and go through one sdpa call per distinct length. The arithmetic is

@@ -20,7 +20,7 @@ failures a change should address. Measured with it (the shipped Qwen target, see
 H.264): the first slip comes at about the same clause at 30, 60 and 120 s (8.4, 8.9 and 6.8 on
 average), mostly an object named with the wrong shape or color; at 60 s the description recovers
 after it (F1 0.83), at 120 s it does not (0.50); and 6 of the 24 120-s descriptions begin with the
-wrong background, against 2 of 24 at 60 s (docs/results/2026-11-23-number-of-events.md).
+wrong background, against 2 of 24 at 60 s.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ probe of a sharpening that grows with the context instead.
 Scaling q_proj (weight and bias) by s multiplies every attention logit of those layers by s, i.e.
 softmax temperature 1/s, and the result is an ordinary checkpoint. A diagnostic for the toy zoo's
 failure on videos 4x longer than it was trained on: with 4x the visual tokens, attention spreads
-over more keys (docs/results/2026-11-23-sharpening.md records what it did). Works for both families.
+over more keys (it recovered part of the 120-s loss and was not shipped: docs/zoo.md). Works for both families.
 
 `--logn L`: no checkpoint is written. Each query that sees n keys is scaled by (log n / log L)^P
 (1 up to n = L), as Qwen-1's "logn" attention does, through an attention function registered for
