@@ -18,28 +18,24 @@ A graph config is a dict of nodes::
 
 Everything here is checked without instantiating a stage: the class is imported and its
 constructor signature is bound to the config's kwargs. All problems are reported together, each
-naming the node, the port, the types and a fix.
+naming the node, the port, the types and a fix. `build_graph` is three steps: `parse_nodes`
+(the config -> a NodeSpec per node: its stage class, resource and waits), `bind_inputs` (the
+inputs -> typed edges) and `check_flow` (cycles, feedback edges, waits -> the topological order).
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib
 import logging
-import inspect
-import pkgutil
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
 import networkx as nx
-from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from graph.stage import In, Out, is_stage_class
+from graph.stage import In, Out
+from graph.stage_lookup import plain_data, resolve_stage_cfg, stage_class
 
 log = logging.getLogger(__name__)
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-HYDRA_KEYS = {"_target_", "_partial_", "_convert_", "_recursive_", "_args_"}
 
 
 class ConfigError(Exception):
@@ -101,191 +97,25 @@ class GraphSpec:
         ]
 
 
-# --------------------------------------------------------------------------------------------
-# resolving stage classes
-
-
-def _type_name(t: type) -> str:
-    return getattr(t, "__name__", str(t))
-
-
-STAGE_PACKAGES = ("stages", "bench")   # where stage classes live: the product's, then the benchmarks'
-
-
-def known_stage_classes() -> dict[str, str]:
-    """Stage classes under STAGE_PACKAGES: short name -> dotted path (for suggestions)."""
-    found: dict[str, str] = {}
-    for package in STAGE_PACKAGES:
-        try:
-            pkg = importlib.import_module(package)
-        except ImportError:
-            continue
-        for info in pkgutil.iter_modules(pkg.__path__):
-            try:
-                mod = importlib.import_module(f"{package}.{info.name}")
-            except Exception:  # a broken optional module must not break suggestions
-                continue
-            for name, obj in vars(mod).items():
-                if is_stage_class(obj) and obj.__module__ == mod.__name__:
-                    found.setdefault(name, f"{mod.__name__}.{name}")
-    return found
-
-
-def locate(path: str) -> Any:
-    """Import `pkg.module.Attr`; raise LookupError with the reason."""
-    parts = path.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        module_name = ".".join(parts[:cut])
-        try:
-            obj = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
-                continue  # this prefix is not a module; try a shorter one
-            raise LookupError(f"importing {module_name} failed: {e}") from e
-        except Exception as e:
-            raise LookupError(f"importing {module_name} failed: {type(e).__name__}: {e}") from e
-        for attr in parts[cut:]:
-            if not hasattr(obj, attr):
-                raise LookupError(f"{module_name} has no {'.'.join(parts[cut:])}")
-            obj = getattr(obj, attr)
-        return obj
-    raise LookupError(f"no module found for {path}")
-
-
-def stage_presets() -> dict[str, Path]:
-    """conf/stage/<kind>/<name>.yaml, addressable as `<kind>/<name>` or (if unique) `<name>`."""
-    presets: dict[str, Path] = {}
-    names: dict[str, list[Path]] = {}
-    for f in sorted((CONF_DIR / "stage").glob("*/*.yaml")):
-        presets[f"{f.parent.name}/{f.stem}"] = f
-        names.setdefault(f.stem, []).append(f)
-    for stem, files in names.items():
-        if len(files) == 1:
-            presets.setdefault(stem, files[0])
-    return presets
-
-
-def _plain(cfg: Any) -> Any:
-    if isinstance(cfg, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(cfg, resolve=True)
-    return cfg
-
-
-def _resolve_stage_cfg(name: str, raw: Any, problems: list[str]) -> dict | None:
-    if isinstance(raw, str):
-        presets = stage_presets()
-        if raw not in presets:
-            close = difflib.get_close_matches(raw, presets, n=3)
-            problems.append(
-                f"node '{name}': unknown stage preset '{raw}'. Fix: use one of "
-                f"{', '.join(close or sorted(presets))} (files under conf/stage/), or a `_target_` block."
-            )
-            return None
-        raw = _plain(OmegaConf.load(presets[raw]))
-        if isinstance(raw, dict) and len(raw) == 1 and "_target_" not in raw and isinstance(next(iter(raw.values())), dict):
-            raw = next(iter(raw.values()))  # tolerate a preset written under a package key
-    if not isinstance(raw, Mapping) or "_target_" not in raw:
-        problems.append(
-            f"node '{name}': `stage` must be a `_target_` block or a preset name, got {raw!r}. "
-            f"Fix: graph.nodes.{name}.stage={{_target_: stages.<kind>.<Class>, ...}}"
-        )
-        return None
-    return dict(raw)
-
-
-def _check_stage_class(name: str, cfg: dict, problems: list[str]) -> type | None:
-    target = cfg["_target_"]
-    try:
-        cls = locate(target)
-    except LookupError as e:
-        known = known_stage_classes()
-        short = target.rsplit(".", 1)[-1]
-        close = difflib.get_close_matches(short, known, n=3) + difflib.get_close_matches(target, known.values(), n=2)
-        hint = f" Did you mean {', '.join(dict.fromkeys(known.get(c, c) for c in close))}?" if close else ""
-        problems.append(f"node '{name}': unknown _target_ '{target}' ({e}).{hint}")
-        return None
-    if not is_stage_class(cls):
-        problems.append(
-            f"node '{name}': _target_ '{target}' is not a stage (it declares no inputs/outputs/placement). "
-            "Fix: point it at a subclass of graph.stage.Stage."
-        )
-        return None
-    kwargs = {k: v for k, v in cfg.items() if k not in HYDRA_KEYS}
-    sig = inspect.signature(cls)
-    try:
-        sig.bind(**kwargs)
-    except TypeError as e:
-        accepted = [p for p in sig.parameters if p not in ("self", "args", "kwargs")]
-        unexpected = [k for k in kwargs if k not in sig.parameters]
-        fixes = []
-        for k in unexpected:
-            close = difflib.get_close_matches(k, accepted, n=1)
-            fixes.append(f"'{k}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
-        detail = f"unexpected {', '.join(fixes)}" if fixes else str(e)
-        problems.append(
-            f"node '{name}': {cls.__name__}() does not accept these kwargs: {detail}. "
-            f"It accepts: {', '.join(accepted) or 'nothing'}."
-        )
-        return None
-    return cls
-
-
-# --------------------------------------------------------------------------------------------
-# bindings
-
-
-def _parse_binding(node: str, port: str, raw: Any, problems: list[str]) -> dict | None:
-    if isinstance(raw, str):
-        raw = {"from": raw}
-    if not isinstance(raw, Mapping) or not isinstance(raw.get("from"), str) or "." not in raw["from"]:
-        problems.append(
-            f"node '{node}' input '{port}': binding {raw!r} is not `node.port`. "
-            f"Fix: graph.nodes.{node}.inputs.{port}=<producer>.<port>"
-        )
-        return None
-    extra = set(raw) - {"from", "feedback", "prime", "capacity"}
-    if extra:
-        problems.append(
-            f"node '{node}' input '{port}': unknown binding keys {sorted(extra)}; allowed: from, feedback, prime, capacity."
-        )
-        return None
-    src, src_port = raw["from"].rsplit(".", 1)
-    return {
-        "src": src,
-        "src_port": src_port,
-        "feedback": bool(raw.get("feedback", False)),
-        "prime": int(raw.get("prime", 1 if raw.get("feedback") else 0)),
-        "capacity": raw.get("capacity"),
-    }
-
-
-def _check_waits(nodes: dict[str, NodeSpec], edges: list[Edge]) -> None:
-    """A node that waits (`after:`) for a node that needs its output, through any edges (the
-    feedback loop's too) or other waits, would wait forever."""
-    flow = nx.DiGraph()
-    flow.add_nodes_from(nodes)
-    flow.add_edges_from((e.src, e.dst) for e in edges)
-    flow.add_edges_from((other, n.name) for n in nodes.values() for other in n.after)
-    for n in nodes.values():
-        for other in n.after:
-            if nx.has_path(flow, n.name, other):
-                path = " -> ".join(nx.shortest_path(flow, n.name, other))
-                raise ConfigError(f"node '{n.name}' waits (after:) for '{other}', which needs it first ({path}): it would "
-                                  f"wait forever. Fix: drop '{other}' from graph.nodes.{n.name}.after.")
-
-
-def _candidates(nodes: dict[str, NodeSpec], want: type, exclude: str) -> str:
-    found = [
-        f"{n.name}.{p}" for n in nodes.values() if n.name != exclude
-        for p, out in n.out_ports.items() if issubclass(out.type, want)
-    ]
-    return ", ".join(found) if found else "none in this graph"
-
-
 def build_graph(graph_cfg: Any, resources: Mapping[str, Any] | None = None) -> GraphSpec:
     """Validate a graph config (and, if given, its resource names) and return the spec."""
     problems: list[str] = []
-    graph_cfg = _plain(graph_cfg) or {}
+    nodes, raw_inputs = parse_nodes(graph_cfg, resources, problems)
+    edges = bind_inputs(nodes, raw_inputs, problems)
+    if problems:
+        raise ConfigError(problems)
+    return check_flow(nodes, edges)
+
+
+# --------------------------------------------------------------------------------------------
+# parsing: the config -> node specs
+
+
+def parse_nodes(graph_cfg: Any, resources: Mapping[str, Any] | None,
+                problems: list[str]) -> tuple[dict[str, NodeSpec], dict[str, dict]]:
+    """Every node the config declares -> its NodeSpec (a node whose stage cannot be resolved is
+    left out, its problem noted), and each node's raw `inputs:`, for binding."""
+    graph_cfg = plain_data(graph_cfg) or {}
     raw_nodes = graph_cfg.get("nodes") if isinstance(graph_cfg, Mapping) else None
     if not raw_nodes or not isinstance(raw_nodes, Mapping):
         raise ConfigError("the graph has no `nodes:` dict. Fix: choose a graph (graph=demo) or define graph.nodes.")
@@ -295,44 +125,62 @@ def build_graph(graph_cfg: Any, resources: Mapping[str, Any] | None = None) -> G
     for name, raw in raw_nodes.items():
         if raw is None:
             continue  # `~graph.nodes.x` or `graph.nodes.x=null` removes a node
-        if not isinstance(raw, Mapping):
-            problems.append(f"node '{name}': expected a dict with stage/inputs/on, got {raw!r}")
-            continue
-        if True in raw and "on" not in raw:
-            # YAML 1.1 reads a bare `on:` key as the boolean true; accept it, but only a quoted
-            # "on": can be overridden from the command line.
-            raw = {("on" if k is True else k): v for k, v in raw.items()}
-            log.warning("graph node '%s': write the key as \"on\": (quoted) so graph.nodes.%s.on=... works", name, name)
-        unknown_keys = set(raw) - {"stage", "inputs", "on", "after"}
-        if unknown_keys:
-            problems.append(f"node '{name}': unknown keys {sorted(unknown_keys)}; a node has stage, inputs, on, after.")
-        after = raw.get("after") or ()
-        after = (after,) if isinstance(after, str) else after
-        if not isinstance(after, (list, tuple)):
-            problems.append(f"node '{name}': after: {after!r} is not a node name or a list of them. "
-                            f"Fix: graph.nodes.{name}.after=[<node>, ...]")
-            after = ()
-        cfg = _resolve_stage_cfg(name, raw.get("stage"), problems)
-        cls = _check_stage_class(name, cfg, problems) if cfg else None
-        on = raw.get("on")
-        if not on:
-            problems.append(f"node '{name}': no resource. Fix: graph.nodes.{name}.on=<resource>, e.g. cpu")
-        elif resources is not None and on not in resources:
-            close = difflib.get_close_matches(str(on), resources, n=1)
-            problems.append(
-                f"node '{name}': unknown resource '{on}'. Declared by the resources config: "
-                f"{', '.join(resources)}." + (f" Did you mean '{close[0]}'?" if close else "")
-                + f" Fix: graph.nodes.{name}.on=<one of them>, or declare '{on}' under resources.pools/streams."
-            )
-        if cls is not None:
-            nodes[name] = NodeSpec(name=name, stage_cls=cls, stage_cfg=cfg, on=str(on), after=tuple(map(str, after)))
-            raw_inputs[name] = dict(raw.get("inputs") or {})
+        parsed = _parse_node(name, raw, resources, problems)
+        if parsed is not None:
+            nodes[name], raw_inputs[name] = parsed
 
     for name, node in nodes.items():
         for other in node.after:
             if other == name or other not in raw_nodes or raw_nodes[other] is None:
                 problems.append(f"node '{name}': after: '{other}' is not another node of this graph. "
                                 f"Nodes: {', '.join(n for n in nodes if n != name)}.")
+    return nodes, raw_inputs
+
+
+def _parse_node(name: str, raw: Any, resources: Mapping[str, Any] | None,
+                problems: list[str]) -> tuple[NodeSpec, dict] | None:
+    if not isinstance(raw, Mapping):
+        problems.append(f"node '{name}': expected a dict with stage/inputs/on, got {raw!r}")
+        return None
+    if True in raw and "on" not in raw:
+        # YAML 1.1 reads a bare `on:` key as the boolean true; accept it, but only a quoted
+        # "on": can be overridden from the command line.
+        raw = {("on" if k is True else k): v for k, v in raw.items()}
+        log.warning("graph node '%s': write the key as \"on\": (quoted) so graph.nodes.%s.on=... works", name, name)
+    unknown_keys = set(raw) - {"stage", "inputs", "on", "after"}
+    if unknown_keys:
+        problems.append(f"node '{name}': unknown keys {sorted(unknown_keys)}; a node has stage, inputs, on, after.")
+    after = raw.get("after") or ()
+    after = (after,) if isinstance(after, str) else after
+    if not isinstance(after, (list, tuple)):
+        problems.append(f"node '{name}': after: {after!r} is not a node name or a list of them. "
+                        f"Fix: graph.nodes.{name}.after=[<node>, ...]")
+        after = ()
+    cfg = resolve_stage_cfg(name, raw.get("stage"), problems)
+    cls = stage_class(name, cfg, problems) if cfg else None
+    on = raw.get("on")
+    if not on:
+        problems.append(f"node '{name}': no resource. Fix: graph.nodes.{name}.on=<resource>, e.g. cpu")
+    elif resources is not None and on not in resources:
+        close = difflib.get_close_matches(str(on), resources, n=1)
+        problems.append(
+            f"node '{name}': unknown resource '{on}'. Declared by the resources config: "
+            f"{', '.join(resources)}." + (f" Did you mean '{close[0]}'?" if close else "")
+            + f" Fix: graph.nodes.{name}.on=<one of them>, or declare '{on}' under resources.pools/streams."
+        )
+    if cls is None:
+        return None
+    return (NodeSpec(name=name, stage_cls=cls, stage_cfg=cfg, on=str(on), after=tuple(map(str, after))),
+            dict(raw.get("inputs") or {}))
+
+
+# --------------------------------------------------------------------------------------------
+# binding: inputs -> typed edges
+
+
+def bind_inputs(nodes: dict[str, NodeSpec], raw_inputs: dict[str, dict], problems: list[str]) -> list[Edge]:
+    """Each node's `inputs:` -> one Edge per input port, checked against the producer's output
+    port (it exists, its type fits) and the input's kind (feedback and `prime` on streams only)."""
     edges: list[Edge] = []
     for name, node in nodes.items():
         bound = raw_inputs[name]
@@ -394,9 +242,53 @@ def build_graph(graph_cfg: Any, resources: Mapping[str, Any] | None = None) -> G
                 continue
             edges.append(Edge(src=b["src"], src_port=b["src_port"], dst=name, dst_port=port,
                               feedback=b["feedback"], prime=b["prime"], capacity=b["capacity"]))
-    if problems:
-        raise ConfigError(problems)
+    return edges
 
+
+def _parse_binding(node: str, port: str, raw: Any, problems: list[str]) -> dict | None:
+    if isinstance(raw, str):
+        raw = {"from": raw}
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("from"), str) or "." not in raw["from"]:
+        problems.append(
+            f"node '{node}' input '{port}': binding {raw!r} is not `node.port`. "
+            f"Fix: graph.nodes.{node}.inputs.{port}=<producer>.<port>"
+        )
+        return None
+    extra = set(raw) - {"from", "feedback", "prime", "capacity"}
+    if extra:
+        problems.append(
+            f"node '{node}' input '{port}': unknown binding keys {sorted(extra)}; allowed: from, feedback, prime, capacity."
+        )
+        return None
+    src, src_port = raw["from"].rsplit(".", 1)
+    return {
+        "src": src,
+        "src_port": src_port,
+        "feedback": bool(raw.get("feedback", False)),
+        "prime": int(raw.get("prime", 1 if raw.get("feedback") else 0)),
+        "capacity": raw.get("capacity"),
+    }
+
+
+def _candidates(nodes: dict[str, NodeSpec], want: type, exclude: str) -> str:
+    found = [
+        f"{n.name}.{p}" for n in nodes.values() if n.name != exclude
+        for p, out in n.out_ports.items() if issubclass(out.type, want)
+    ]
+    return ", ".join(found) if found else "none in this graph"
+
+
+def _type_name(t: type) -> str:
+    return getattr(t, "__name__", str(t))
+
+
+# --------------------------------------------------------------------------------------------
+# checking the flow: cycles, feedback, waits -> the order
+
+
+def check_flow(nodes: dict[str, NodeSpec], edges: list[Edge]) -> GraphSpec:
+    """The one legal cycle is marked feedback, a feedback edge closes a loop, no wait (`after:`)
+    is on a path back to itself; the nodes in topological order (feedback edges removed)."""
     dag = nx.DiGraph()
     dag.add_nodes_from(nodes)
     dag.add_edges_from((e.src, e.dst) for e in edges if not e.feedback)
@@ -404,8 +296,6 @@ def build_graph(graph_cfg: Any, resources: Mapping[str, Any] | None = None) -> G
         cycle = nx.find_cycle(dag)
     except nx.NetworkXNoCycle:
         cycle = None
-    if cycle is None:
-        _check_waits(nodes, edges)
     if cycle:
         path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])
         back = next(e for e in edges if (e.src, e.dst) == cycle[-1] and not e.feedback)
@@ -413,6 +303,7 @@ def build_graph(graph_cfg: Any, resources: Mapping[str, Any] | None = None) -> G
             f"cycle {path} is not marked as feedback. Fix: mark its back edge, e.g. "
             f"graph.nodes.{back.dst}.inputs.{back.dst_port}={{from: {back.src}.{back.src_port}, feedback: true, prime: 1}}"
         )
+    _check_waits(nodes, edges)
     for e in edges:
         if e.feedback and not nx.has_path(dag, e.dst, e.src):
             raise ConfigError(
@@ -424,3 +315,18 @@ def build_graph(graph_cfg: Any, resources: Mapping[str, Any] | None = None) -> G
     for e in edges:
         consumers.setdefault((e.src, e.src_port), []).append(e)
     return GraphSpec(nodes=nodes, edges=edges, order=order, consumers=consumers)
+
+
+def _check_waits(nodes: dict[str, NodeSpec], edges: list[Edge]) -> None:
+    """A node that waits (`after:`) for a node that needs its output, through any edges (the
+    feedback loop's too) or other waits, would wait forever."""
+    flow = nx.DiGraph()
+    flow.add_nodes_from(nodes)
+    flow.add_edges_from((e.src, e.dst) for e in edges)
+    flow.add_edges_from((other, n.name) for n in nodes.values() for other in n.after)
+    for n in nodes.values():
+        for other in n.after:
+            if nx.has_path(flow, n.name, other):
+                path = " -> ".join(nx.shortest_path(flow, n.name, other))
+                raise ConfigError(f"node '{n.name}' waits (after:) for '{other}', which needs it first ({path}): it would "
+                                  f"wait forever. Fix: drop '{other}' from graph.nodes.{n.name}.after.")
