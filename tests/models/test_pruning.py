@@ -6,18 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.pruning import (
-    attention_entry_scores,
-    attention_guided_keep,
-    keep_count,
-    keep_top,
-    key_norm_scores,
-    layer_ratios,
-    top_k_indices,
-    uv_scores,
-    value_change_scores,
-    value_norm_scores,
-)
+from models.pruning import (attention_entry_scores, attention_guided_keep, keep_count, keep_top, key_norm_scores,
+                            layer_ratios, top_k_indices, uv_scores, value_change_scores, value_norm_scores)
 
 
 @pytest.mark.parametrize("n, keep, k", [(10, 0.5, 5), (7, 0.5, 4), (30, 0.1, 3), (1, 0.1, 1), (27, 1.0, 27),
