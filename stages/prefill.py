@@ -43,7 +43,7 @@ class ContextTooLong(ValueError):
 class Prefill(Stage):
     """mode: one_shot | groups; group_frames: frames per prefill group (groups mode; 0 = as the
     encoder delivers them); prune: null, or the keys of stages.prune.GroupKVPrune (importance,
-    ratio, start_layer, decay, seed, keyframe_every; groups mode); measure_memory: record each group's peak memory
+    keep, start_layer, decay, seed, keyframe_every; groups mode); measure_memory: record each group's peak memory
     (models.memory.PeakMemory: on a GPU this synchronises once per group; on a CPU it counts every
     operation's tensors, ~25 % slower)."""
 

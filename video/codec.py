@@ -8,7 +8,7 @@ The pieces, in the order a decode uses them:
   frame count. The stream is FFmpeg's best video stream unless one is asked for by index.
 - `select_frames`: which frames to return, by timestamp relative to the stream's first pts: the
   frame on screen at each requested time (the last frame whose pts ≤ t).
-- `keyframe_intervals`: cut the stream at the keyframes nearest i/s of its length (seed Alg. 3).
+- `keyframe_intervals`: cut the stream at the keyframes nearest i/s of its length (QuickVideo's Alg. 3).
 - `plan_tasks`: for each interval, the selected frames (pts) it must produce and their output slots.
 - `decode_task`: in a worker, seek once to the interval's first needed keyframe (our own index,
   not the container's guess), decode forward, drop frames before that keyframe (open GOP),

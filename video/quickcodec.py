@@ -170,7 +170,7 @@ def quickcodec_groups(path: str, pool: DecoderPool, *, fps=None, seconds=None, n
                       intervals: int = 0, group_frames: int = 0, interpolation: str = "BICUBIC",
                       seek_frames: int = 12, skip_nonref: bool = True, stream: int | None = None,
                       on_info: Callable[[VideoInfo], None] | None = None) -> Iterator[FrameGroup]:
-    """QuickCodec (seed Alg. 2 + 3): yields FrameGroups in order, each as soon as it is complete.
+    """QuickCodec (QuickVideo's Alg. 2 + 3): yields FrameGroups in order, each as soon as it is complete.
 
     intervals: how many keyframe intervals to cut (0: `workers` when not grouping, else enough for
     every worker to have several, so the earliest groups finish first)."""
