@@ -291,7 +291,7 @@ def test_speculative_methods_give_the_autoregressive_answer_on_the_sample(tmp_pa
         metrics = json.loads((tmp_path / name / "metrics.json").read_text())
         assert metrics["output_ids"] == expected, name
         meta = metrics["tokens_meta"]
-        assert meta["rounds"] > 0 and 1 <= meta["mean_accepted_length"] <= meta["window"] + 1
+        assert meta["rounds"] > 0 and 1 <= meta["mean_accepted_length"] <= meta["window_setting"] + 1
         if name in ("parallelvlm", "specvlm", "parallelvlm_self"):
             assert meta["draft_prefill"]["video_tokens_kept"] == 27          # α = 0.9 of 270
         if name == "fastv_verified":                                          # the pruned target drafts: A < 1
