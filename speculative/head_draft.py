@@ -22,9 +22,8 @@ from __future__ import annotations
 import torch
 
 from models.sparrow import HeadCache, SparrowHead
-from speculative.protocol import DraftInfo, Proposal, Verdict
+from speculative.protocol import DraftInfo, Proposal, Timer, Verdict
 from speculative.tree import best_subtree, chain_parents, path_to, to_expand
-from speculative.verifier import Timer
 
 
 def draft_tree(head: SparrowHead, lm, cache: HeadCache, top: torch.Tensor, position: int, *, total: int,
@@ -102,18 +101,21 @@ class HeadDrafter:
         self.proposed: torch.Tensor | None = None
         self.pending = 0                   # committed tokens the target has not cached (its own last token)
         self.head_s = [0.0, 0]             # the head's time per round after the first: sum, count
-        self._prefill(prompt_states, layout, video_states)
-        self.info = DraftInfo(name, {"mode": "text only", "vata": video_states is None, "head_tokens": self.head_tokens})
+        self.name, self.cache = name, None
+        self.prompt = (prompt_states, layout, video_states)    # the head prefills them in the first round
 
     @property
-    def head_tokens(self) -> int:
-        return self.cache.length
+    def info(self) -> DraftInfo:
+        return DraftInfo(self.name, {"mode": "text only", "vata": self.prompt[2] is None,
+                                     "head_tokens": self.cache.length if self.cache is not None else 0})
 
     @torch.inference_mode()
     def propose(self, verdict: Verdict | None, timer: Timer) -> Proposal | None:
         """The next tree after `verdict` (None: the first); None for a stale verdict or once the
         budget is committed."""
-        with timer("head") as spent:
+        with timer("head") as spent:       # the head's whole work for a round (its prefill in the first)
+            if self.cache is None:
+                self._prefill(*self.prompt)
             if verdict is not None:
                 if verdict.stale:
                     return None

@@ -30,8 +30,7 @@ from __future__ import annotations
 import torch
 
 from models.sampling import Sampling
-from speculative.protocol import DraftInfo, Proposal, RoundKind, Verdict
-from speculative.verifier import Timer
+from speculative.protocol import DraftInfo, Proposal, RoundKind, Timer, Verdict
 
 
 def auto_window(tp_s: float, tq_s: float, max_window: int) -> int:

@@ -9,9 +9,15 @@ once, as the first proposal's `DraftInfo`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
+
+# timer(name) -> a context whose value has `.seconds` once it exits: the engine's ctx.timer, or
+# speculative.reference.stopwatch off the engine
+Timer = Callable[[str], AbstractContextManager]
 
 
 class RoundKind(str, Enum):

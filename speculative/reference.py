@@ -15,8 +15,11 @@ Sparrow); 2 drafts round i+1 while round i is verified (ParallelVLM), so some ro
 a prefix that turns out rejected and are answered stale. `first_from_prefill` commits the target's
 first token from its prefill before any round. In a graph the same two objects sit in the draft and
 verify nodes, `ahead` is the prime on the verdict edge and `first_from_prefill` a prime on the
-proposal edge; each node consumes its input stream in order, so a graph's run gives exactly this
-loop's tokens and rounds, however its nodes are placed (tests/speculative/test_reference.py).
+proposal edge. Each node consumes its input stream in order and, given its inputs, decides the same
+way wherever it runs (its random draws come from its own seeded generator), so a graph's run gives
+exactly this loop's tokens and rounds, however its nodes are placed
+(tests/speculative/test_reference.py). The one setting outside that premise is `window: auto`,
+whose γ follows measured times.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ def speculative_decode(target, drafter, *, ahead: int = 1, first_from_prefill: b
         verdict = target.verify(proposal, stopwatch)                  # verify, accept, roll back
         if verdict is not None:
             verdicts.append(verdict)
+    if not target.done:     # in a graph: a loop that waits forever
+        raise RuntimeError(f"the drafter stopped proposing after {len(target.rounds.committed)} committed tokens "
+                           "before the answer was complete")
     return list(target.rounds.committed)
 
 

@@ -100,9 +100,20 @@ class Rounds:
         self.committed, self.done = commit(self.committed, accepted, next_token, self.eos_ids, self.max_new_tokens)
         return min(len(accepted), len(self.committed) - before)
 
-    def end_round(self, proposal: Proposal, *, accepted: int, drafted: int, verify_s: float | None) -> None:
+    def cache_holds(self, n: int) -> None:
+        """The target's cache now holds the first `n` committed tokens (after a round's rollback)."""
+        self.in_cache = n
+
+    def stale_round(self) -> None:
+        """A proposal drafted on a prefix the target has since rejected: answered without work."""
+        self.stale += 1
+
+    def end_round(self, proposal: Proposal, *, accepted: int, drafted: int, verify_s: float | None,
+                  judged_ahead: bool = False) -> None:
         """Record a verified round: `accepted` of `drafted` draft tokens (a tree: of its depth);
-        verify_s None for a round answered without a forward."""
+        verify_s None for a round answered without a forward; judged_ahead: it was accepted whole
+        and left its next token to the next round's rule."""
+        self.judged_ahead += judged_ahead
         self.accepted.append(accepted)
         self.drafted.append(drafted)
         if proposal.is_tree:

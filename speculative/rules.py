@@ -34,6 +34,8 @@ def verify_chain(draft: torch.Tensor, logits: torch.Tensor, sampling: Sampling, 
     so its draws come from a CPU generator whatever device the logits are on."""
     if sampling.greedy:
         return greedy_verify(draft, logits)
+    if q is None:
+        raise ValueError("sampling needs the draft's distributions q: a proposal drafted with temperature > 0 carries them")
     return speculative_verify(draft, q.float().cpu(), sampling.probs(logits).float().cpu(), generator)
 
 

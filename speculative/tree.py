@@ -7,10 +7,13 @@ A tree is `tokens` int64 [n] and `parents` int64 [n], listed parents first: pare
 -1 marks a root (a child of the last committed token). A chain of k tokens is the tree whose
 parents are i − 1, and every function here treats it as the chain it is.
 
-    tree_mask(parents)     bool [n, n]: node i sees node j iff j is i or an ancestor of i
-    tree_depths(parents)   int64 [n]: a root has depth 0
-    path_to(parents, i)    the nodes from a root down to i
+    chain_parents(k), children_of(parents), check_tree(tokens, parents)   structure
+    tree_mask(parents)       bool [n, n]: node i sees node j iff j is i or an ancestor of i
+    tree_depths(parents)     int64 [n]: a root has depth 0
+    path_to(parents, i)      the nodes from a root down to i
     under_chain(m, parents)  the tree hung under m committed tokens not yet cached (one forward)
+    bushy_tree(n, width)     a draft tree's shape, for timing a tree forward
+    to_expand, best_subtree  EAGLE-2's choices: which nodes grow, which are kept
 """
 
 from __future__ import annotations

@@ -26,18 +26,13 @@ temperature 0 the two rules coincide).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
-
 import torch
 
 from models.sampling import Sampling, greedy, sample
-from speculative.protocol import Proposal, Verdict
+from speculative.protocol import Proposal, Timer, Verdict
 from speculative.rounds import Rounds
 from speculative.rules import verify_chain, verify_tree
 from speculative.tree import check_tree, tree_depths, tree_mask, under_chain
-
-Timer = Callable[[str], AbstractContextManager]   # timer(name) -> a context whose value has `.seconds`
 
 
 class TargetVerifier:
@@ -53,7 +48,9 @@ class TargetVerifier:
         self.sampling, self.vocab, self.generator = sampling, vocab, generator
         self.judge_ahead = judge_ahead and not sampling.greedy
         self.rounds = Rounds(lm.eos_ids, max_new_tokens)
-        self.before_pending = logits[:vocab]   # [V]: predicts the first token not in the cache, while none is pending
+        # [V]: the logits of the first token the cache lacks, read only while no committed token is
+        # pending: before the first round, and after a round judged ahead (which sets it anew)
+        self.before_pending = logits[:vocab]
         self.first_pending = False             # the first token came from the prefill; the first round is still to judge
 
     @property
@@ -89,7 +86,7 @@ class TargetVerifier:
             credit = 1             # accounted as the first round always is: it commits the first token
         overlap = self._overlap(proposal)
         if overlap is None:
-            rounds.stale += 1
+            rounds.stale_round()
             return Verdict(proposal.round, 0, -1, len(rounds.committed), stale=True)
         if proposal.is_tree:
             return self._verify_tree(proposal, timer)
@@ -121,16 +118,15 @@ class TargetVerifier:
                 scored = self.lm.score(self.cache, draft, self.start + rounds.in_cache, self.layout)[:, :vocab] if k else None
                 logits = self.before_pending[None] if scored is None else torch.cat([self.before_pending[None], scored])
             accepted, token = verify_chain(draft, logits, self.sampling, q if q is None else q[:, :vocab], self.generator)
-        if self.judge_ahead and accepted == k > 0:
-            kept = rounds.commit(draft.tolist(), None)
-            if not rounds.done:        # the next round's first token is judged against this row
-                token, self.before_pending = -1, logits[-1]
-                rounds.judged_ahead += 1
-        else:
-            kept = rounds.commit(draft[:accepted].tolist(), token)
+        ahead = self.judge_ahead and accepted == k > 0
+        kept = rounds.commit(draft.tolist() if ahead else draft[:accepted].tolist(), None if ahead else token)
+        if ahead and not rounds.done:        # the next round's first token is judged against this row
+            token, self.before_pending = -1, logits[-1]
         # the cache holds the committed tokens before this round, then the draft: keep what was committed
-        self._cache_keeps(cached=before + k, keep=before + kept)
-        rounds.end_round(proposal, accepted=kept + credit, drafted=k + credit, verify_s=spent.seconds)
+        self.lm.drop_last(self.cache, k - kept)
+        rounds.cache_holds(before + kept)
+        rounds.end_round(proposal, accepted=kept + credit, drafted=k + credit, verify_s=spent.seconds,
+                         judged_ahead=ahead and not rounds.done)
         if rounds.done:
             return None
         return Verdict(proposal.round, accepted, token, len(rounds.committed), verify_s=spent.seconds)
@@ -156,7 +152,7 @@ class TargetVerifier:
         kept = rounds.commit(tokens[path].tolist(), token)
         # the cache holds the committed tokens, then the n nodes: keep the accepted path's
         self.lm.keep_path(self.cache, n, path[:kept])
-        rounds.in_cache = before + kept
+        rounds.cache_holds(before + kept)
         features = None
         if proposal.wants_features:     # the states of what this forward cached and kept: pending, then the path
             features = torch.cat([states[:m], states[m:][torch.tensor(path[:kept], dtype=torch.long)]]).detach()
@@ -166,8 +162,3 @@ class TargetVerifier:
             return None
         return Verdict(proposal.round, len(path), token, len(rounds.committed), verify_s=spent.seconds,
                        path=tuple(path), features=features)
-
-    def _cache_keeps(self, *, cached: int, keep: int) -> None:
-        """The cache holds `cached` tokens after the prompt: keep the first `keep` (a rollback)."""
-        self.lm.drop_last(self.cache, cached - keep)
-        self.rounds.in_cache = keep

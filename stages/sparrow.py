@@ -51,8 +51,7 @@ class SparrowDraft(Stage):
 
     def __call__(self, ctx, taps: Taps, verdict: Verdict | None):
         if self.drafter is None:
-            with ctx.timer("head"):
-                self.drafter = self.drafter_for(taps)
+            self.drafter = self.drafter_for(taps)
         proposal = self.drafter.propose(verdict, ctx.timer)
         if proposal is not None:
             ctx.emit("proposal", proposal)

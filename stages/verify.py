@@ -18,6 +18,7 @@ from graph.stage import In, Out, Stage
 from models.registry import get_model
 from models.sampling import Sampling
 from speculative.protocol import Proposal
+from speculative.rounds import Rounds
 from speculative.verifier import TargetVerifier
 from stages.types import PrefillResult, Tokens, Verdict
 
@@ -81,7 +82,8 @@ class Verifier(Stage):
         return {}
 
     def finish(self, ctx):
-        lm, rounds = self.lm, self.target.rounds
+        lm = self.lm
+        rounds = self.target.rounds if self.target is not None else Rounds(lm.eos_ids, self.max_new_tokens)
         ids = rounds.committed
         meta = {"model": lm.name, **self.info,
                 "stopped": "eos" if ids and ids[-1] in lm.eos_ids else "max_new_tokens"}

@@ -80,3 +80,11 @@ def graph_and_reference_agree(experiment: str, overrides: list[str]) -> None:
     assert reference.accepted == tokens.speculative.accepted and reference.drafted == tokens.speculative.drafted
     assert reference.stale_proposals == tokens.speculative.stale_proposals
     assert reference.rounds > 3 and len(ids) > 8          # enough rounds to mean something
+
+
+def test_a_drafter_that_stops_before_the_answer_is_complete_is_an_error():
+    """In a graph this would wait forever; the loop says so instead of returning half an answer."""
+    target = SimpleNamespace(done=False, rounds=SimpleNamespace(committed=[5, 6]), verify=None)
+    silent = SimpleNamespace(propose=lambda verdict, timer: None)
+    with pytest.raises(RuntimeError, match="after 2 committed tokens"):
+        speculative_decode(target, silent, ahead=2)
