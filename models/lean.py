@@ -81,6 +81,7 @@ class LeanDecoder:
         self.layers = [self._weights(layer) for layer in text_model.layers]
         self.final_norm = text_model.norm.weight
         self._cos = self._sin = None
+        self.step = None          # a models.compiled_step.CompiledStep when the model is loaded with compile
 
     @classmethod
     def of(cls, text_model) -> LeanDecoder | None:
@@ -132,6 +133,8 @@ class LeanDecoder:
         (row i sees column j among the new tokens; every cached entry is seen). Returns the
         final-norm hidden states [n, hidden]."""
         n = embeds.shape[0]
+        if self.step is not None:
+            return self._compiled_forward(cache, embeds, positions, mask)
 
         def attend(i, q, k, v):
             keys, values = cache.layers[i].update(k[None], v[None])                                 # [1, KV, L, hd]
@@ -142,6 +145,20 @@ class LeanDecoder:
             return decode_attention(q[None], keys, values, full, self.scaling)                     # [1, n, H, hd]
 
         return self.run_layers(embeds, positions, attend)
+
+    def _compiled_forward(self, cache, embeds: torch.Tensor, positions: torch.Tensor,
+                          mask: torch.Tensor | None) -> torch.Tensor:
+        """forward through the compiled step: the cache read as each layer's prefix, the new keys and
+        values appended here, outside the compiled function."""
+        n = embeds.shape[0]
+        cos, sin = self._rotary(positions, embeds)
+        among = mask if mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+        layers = cache.layers
+        hidden, new_k, new_v = self.step(embeds, cos, sin, [layer.keys[0] for layer in layers],
+                                         [layer.values[0] for layer in layers], among.to(embeds.device))
+        for layer, k, v in zip(layers, new_k, new_v):
+            layer.update(k[None], v[None])
+        return hidden
 
     def run_layers(self, embeds: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         """The decoder layers over embeds [n, hidden] at rotary positions [n]. attend(layer,

@@ -41,12 +41,21 @@ def resolve(path: str) -> str:
 
 
 def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa",
-               lean: bool = True, name: str | None = None):
+               lean: bool = True, compile: str = "off", name: str | None = None):
     """The checkpoint at `path` behind the VideoLM protocol. lean: decode steps and verifications
-    take models.lean's path over the model's weights (False: the model's own forward)."""
+    take models.lean's path over the model's weights (False: the model's own forward). compile:
+    "off", or a torch.compile mode for the lean path's steps (models.compiled_step)."""
+    from models.compiled_step import MODES, CompiledStep
+
+    if compile not in MODES:
+        raise ModelError(f"compile={compile!r}: use one of {', '.join(MODES)}")
+    if compile != "off" and not lean:
+        raise ModelError("compile needs the lean path (lean: true): it compiles the lean step")
     lm = _load(path, dtype=dtype, device=device, attn_implementation=attn_implementation, name=name)
     if not lean:
         lm.lean = None
+    elif compile != "off" and lm.lean is not None:
+        lm.lean.step = CompiledStep(lm.lean, compile)
     return lm
 
 

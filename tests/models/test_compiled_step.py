@@ -1,0 +1,77 @@
+"""The compiled lean step (models.compiled_step): split attention (the cached prefix without a
+mask, the new tokens with theirs, merged by log-sum-exp) is attention over the whole; a model
+loaded with compile decodes the eager lean path's tokens over 64 greedy steps, verifies a tree as
+the eager path does, and does not recompile from one step to the next.
+
+Tolerances: the split sums the same float32 terms in another order, so results agree to a few
+float32 roundings of values of size ~1 (attention outputs) or ~10 (logits): 1e-5 and 1e-4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.compiled_step import split_attention
+from models.decoding import greedy, prefill_video
+from models.load import ModelError, load_model
+from speculative.tree import bushy_tree, tree_depths, tree_mask
+from tests.models.test_attention import reference
+from zoo.train.data import example
+
+TARGET = "zoo/weights/qwen-target"
+
+
+@pytest.mark.parametrize("n, cached, heads, kv_heads, tree", [(1, 50, 4, 2, False), (5, 300, 4, 2, False),
+                                                             (16, 40, 8, 1, False), (30, 200, 4, 2, True)])
+def test_split_attention_is_attention_over_prefix_and_new_tokens(n, cached, heads, kv_heads, tree):
+    g = torch.Generator().manual_seed(n + cached)
+    q = torch.randn(heads, n, 16, generator=g)
+    k, v = torch.randn(kv_heads, n, 16, generator=g), torch.randn(kv_heads, n, 16, generator=g)
+    keys, values = torch.randn(kv_heads, cached, 16, generator=g), torch.randn(kv_heads, cached, 16, generator=g)
+    among = tree_mask(bushy_tree(n)) if tree else torch.ones(n, n, dtype=torch.bool).tril()
+    whole = torch.ones(n, cached + n, dtype=torch.bool)
+    whole[:, cached:] = among
+    want = reference(q[None], torch.cat([keys, k], 1)[None], torch.cat([values, v], 1)[None], whole[None, None], 0.25)
+    got = split_attention(q, k, v, keys, values, among, 0.25)
+    torch.testing.assert_close(got, want.reshape(n, heads * 16), rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_model_decodes_the_eager_lean_paths_tokens_without_recompiling():
+    ex = example(7, 30, 2)
+    eager, compiled = load_model(TARGET), load_model(TARGET, compile="default")
+    want = greedy(eager, *_prefilled(eager, ex), 64)
+    assert greedy(compiled, *_prefilled(compiled, ex), 64) == want       # compiles the one-token step
+    trees = [bushy_tree(n) for n in (12, 20)]
+    ids = torch.arange(20) + 3
+
+    def score_trees(lm):
+        cache, _, start, layout = _prefilled(lm, ex)
+        out = []
+        for parents in trees:
+            n = parents.shape[0]
+            out.append(lm.score_tree(cache, ids[:n], tree_mask(parents), tree_depths(parents), start, layout))
+            lm.drop_last(cache, n)
+        return out
+
+    score_trees(compiled)                             # compiles the several-token step (one size serves all)
+    previous = torch._dynamo.config.error_on_recompile
+    torch._dynamo.config.error_on_recompile = True    # a step that recompiled per length or size fails here
+    try:
+        assert greedy(compiled, *_prefilled(compiled, ex), 64) == want
+        got = score_trees(compiled)
+    finally:
+        torch._dynamo.config.error_on_recompile = previous
+    for g, r in zip(got, score_trees(eager)):
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-4)
+
+
+def _prefilled(lm, ex):
+    cache, layout, logits = prefill_video(lm, ex.frames, 2, ex.prompt)
+    return cache, logits, layout.length, layout
+
+
+def test_compile_settings_are_checked():
+    with pytest.raises(ModelError, match="compile='fast'"):
+        load_model(TARGET, compile="fast")
+    with pytest.raises(ModelError, match="lean"):
+        load_model(TARGET, compile="default", lean=False)
