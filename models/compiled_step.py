@@ -25,9 +25,6 @@ compile); inductor's on-disk cache spares later processes most of the compile ti
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-
-from models.lean import rms_norm, rotate
 
 MODES = ("off", "default", "max-autotune-no-cudagraphs")   # model.<role>.compile
 
@@ -54,22 +51,17 @@ def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: tor
 
 def layers_step(lean, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, prefix_k: list, prefix_v: list,
                 mask: torch.Tensor):
-    """The decoder layers of `lean` (models.lean.LeanDecoder) over the new tokens: the operations
-    of LeanDecoder.run_layers, with split_attention over the given prefix. See the module doc."""
-    x, n = embeds, embeds.shape[0]
+    """The decoder layers of `lean` (models.lean.LeanDecoder.run_layers) over the new tokens, with
+    split_attention over the given prefix, collecting the new keys and values. See the module doc."""
     new_k, new_v = [], []
-    for i, w in enumerate(lean.layers):
-        h = rms_norm(x, w.input_norm, lean.eps)
-        q = F.linear(h, w.q, w.q_bias).view(n, lean.n_heads, lean.head_dim).transpose(0, 1)       # [H, n, hd]
-        k = F.linear(h, w.k, w.k_bias).view(n, lean.n_kv_heads, lean.head_dim).transpose(0, 1)    # [KV, n, hd]
-        v = F.linear(h, w.v, w.v_bias).view(n, lean.n_kv_heads, lean.head_dim).transpose(0, 1)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+
+    def attend(i, q, k, v):
         new_k.append(k)
         new_v.append(v)
-        x = x + F.linear(split_attention(q, k, v, prefix_k[i], prefix_v[i], mask, lean.scaling), w.o, w.o_bias)
-        h = rms_norm(x, w.post_norm, lean.eps)
-        x = x + F.linear(F.silu(F.linear(h, w.gate)) * F.linear(h, w.up), w.down)
-    return rms_norm(x, lean.final_norm, lean.eps), torch.stack(new_k), torch.stack(new_v)
+        return split_attention(q, k, v, prefix_k[i], prefix_v[i], mask, lean.scaling)
+
+    hidden = lean.run_layers(embeds, cos, sin, attend)
+    return hidden, torch.stack(new_k), torch.stack(new_v)
 
 
 class CompiledStep:

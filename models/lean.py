@@ -144,7 +144,7 @@ class LeanDecoder:
                 full[..., keys.shape[2] - n:] = mask.to(q.device)
             return decode_attention(q[None], keys, values, full, self.scaling)                     # [1, n, H, hd]
 
-        return self.run_layers(embeds, positions, attend)
+        return self.run_layers(embeds, *self._rotary(positions, embeds), attend)
 
     def _compiled_forward(self, cache, embeds: torch.Tensor, positions: torch.Tensor,
                           mask: torch.Tensor | None) -> torch.Tensor:
@@ -160,14 +160,13 @@ class LeanDecoder:
             layer.update(k[None], v[None])
         return hidden
 
-    def run_layers(self, embeds: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """The decoder layers over embeds [n, hidden] at rotary positions [n]. attend(layer,
-        q [H, n, hd], k [KV, n, hd], v [KV, n, hd]) stores the new keys and values wherever its
-        cache keeps them and returns attention [1, n, H, hd]. Returns the final-norm hidden
-        states [n, hidden]."""
+    def run_layers(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder layers over embeds [n, hidden] with the rotary rows cos, sin [n, head_dim] of
+        their positions (`_rotary`). attend(layer, q [H, n, hd], k [KV, n, hd], v [KV, n, hd])
+        stores the new keys and values wherever its cache keeps them and returns the attention,
+        [1, n, H, hd] or [n, H * hd]. Returns the final-norm hidden states [n, hidden]."""
         x = embeds
         n = x.shape[0]
-        cos, sin = self._rotary(positions, x)
         for i, w in enumerate(self.layers):
             h = rms_norm(x, w.input_norm, self.eps)
             q = F.linear(h, w.q, w.q_bias).view(n, self.n_heads, self.head_dim).transpose(0, 1)      # [H, n, hd]

@@ -21,7 +21,27 @@ from speculative.protocol import DraftInfo, Proposal, Verdict
 from stages.types import PrefillResult
 
 
-class ModelDraft(Stage):
+class Drafting(Stage):
+    """What every draft stage does with its drafter (a ModelDrafter or a HeadDrafter): build one per
+    run from what the run's first call brings (`drafter_for`), then ask it for a round on every
+    verdict and emit the proposal."""
+
+    def start_run(self, ctx) -> None:
+        self.drafter = None
+
+    def drafter_for(self, prefilled):
+        raise NotImplementedError
+
+    def round(self, ctx, prefilled, verdict: Verdict | None) -> dict:
+        if self.drafter is None:
+            self.drafter = self.drafter_for(prefilled)
+        proposal = self.drafter.propose(verdict, ctx.timer)
+        if proposal is not None:
+            ctx.emit("proposal", proposal)
+        return {}
+
+
+class ModelDraft(Drafting):
     """model: the draft entry; window: tokens per round (γ), or "auto" (γ = Tp / Tq measured;
     start_window before the first verdict, at most max_window); temperature, top_k, top_p, seed: as
     the verifier's; vocab: the compared vocabulary (0: the one shared with `target`, else the
@@ -59,9 +79,6 @@ class ModelDraft(Stage):
             self.vocab = min(self.vocab, shared) if self.vocab else shared
         self.start_run(ctx)
 
-    def start_run(self, ctx) -> None:
-        self.drafter: ModelDrafter | None = None
-
     def drafter_for(self, kv: PrefillResult) -> ModelDrafter:
         """This stage's settings over the draft's prefill: what one run (request) drafts with."""
         return ModelDrafter(self.lm, kv.cache, kv.logical_length, kv.layout, kv.logits, window=self.window,
@@ -71,9 +88,4 @@ class ModelDraft(Stage):
                             confidence=self.confidence, info=DraftInfo(self.lm.name, kv.prefill, self.window))
 
     def __call__(self, ctx, kv: PrefillResult, verdict: Verdict | None):
-        if self.drafter is None:
-            self.drafter = self.drafter_for(kv)
-        proposal = self.drafter.propose(verdict, ctx.timer)
-        if proposal is not None:
-            ctx.emit("proposal", proposal)
-        return {}
+        return self.round(ctx, kv, verdict)
