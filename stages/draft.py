@@ -21,27 +21,19 @@ from speculative.protocol import DraftInfo, Proposal, Verdict
 from stages.types import PrefillResult
 
 
-class Drafting(Stage):
-    """What every draft stage does with its drafter (a ModelDrafter or a HeadDrafter): build one per
-    run from what the run's first call brings (`drafter_for`), then ask it for a round on every
-    verdict and emit the proposal."""
-
-    def start_run(self, ctx) -> None:
-        self.drafter = None
-
-    def drafter_for(self, prefilled):
-        raise NotImplementedError
-
-    def round(self, ctx, prefilled, verdict: Verdict | None) -> dict:
-        if self.drafter is None:
-            self.drafter = self.drafter_for(prefilled)
-        proposal = self.drafter.propose(verdict, ctx.timer)
-        if proposal is not None:
-            ctx.emit("proposal", proposal)
-        return {}
+def draft_round(stage, ctx, prefilled, verdict: Verdict | None) -> dict:
+    """What every draft stage does on a call: build its drafter (a ModelDrafter or a HeadDrafter)
+    from what the run's first call brings (`stage.drafter_for`), ask it for the round after
+    `verdict`, and emit the proposal."""
+    if stage.drafter is None:
+        stage.drafter = stage.drafter_for(prefilled)
+    proposal = stage.drafter.propose(verdict, ctx.timer)
+    if proposal is not None:
+        ctx.emit("proposal", proposal)
+    return {}
 
 
-class ModelDraft(Drafting):
+class ModelDraft(Stage):
     """model: the draft entry; window: tokens per round (γ), or "auto" (γ = Tp / Tq measured;
     start_window before the first verdict, at most max_window); temperature, top_k, top_p, seed: as
     the verifier's; vocab: the compared vocabulary (0: the one shared with `target`, else the
@@ -79,6 +71,9 @@ class ModelDraft(Drafting):
             self.vocab = min(self.vocab, shared) if self.vocab else shared
         self.start_run(ctx)
 
+    def start_run(self, ctx) -> None:
+        self.drafter: ModelDrafter | None = None
+
     def drafter_for(self, kv: PrefillResult) -> ModelDrafter:
         """This stage's settings over the draft's prefill: what one run (request) drafts with."""
         return ModelDrafter(self.lm, kv.cache, kv.logical_length, kv.layout, kv.logits, window=self.window,
@@ -88,4 +83,4 @@ class ModelDraft(Drafting):
                             confidence=self.confidence, info=DraftInfo(self.lm.name, kv.prefill, self.window))
 
     def __call__(self, ctx, kv: PrefillResult, verdict: Verdict | None):
-        return self.round(ctx, kv, verdict)
+        return draft_round(self, ctx, kv, verdict)

@@ -9,16 +9,16 @@ the target's states of what it accepted. The verdict edge takes prime 1 (draft, 
 
 from __future__ import annotations
 
-from graph.stage import In, Out
+from graph.stage import In, Out, Stage
 from models.registry import get_model
 from models.sparrow import SparrowHead
 from speculative.head_draft import HeadDrafter
 from speculative.protocol import Proposal, Verdict
-from stages.draft import Drafting
+from stages.draft import draft_round
 from stages.types import Taps
 
 
-class SparrowDraft(Drafting):
+class SparrowDraft(Stage):
     """model: the target entry (the head shares its embedding and LM head); head: the head's
     directory; total, depth, topk: the dynamic tree (the paper's 30-4-8, 48-5-10, 25-5-8);
     tree: false drafts a chain of `depth`; vata: null (the head's own setting) or false, the
@@ -48,7 +48,10 @@ class SparrowDraft(Drafting):
         self.start_run(ctx)
 
     def __call__(self, ctx, taps: Taps, verdict: Verdict | None):
-        return self.round(ctx, taps, verdict)
+        return draft_round(self, ctx, taps, verdict)
+
+    def start_run(self, ctx) -> None:
+        self.drafter: HeadDrafter | None = None
 
     def drafter_for(self, taps: Taps) -> HeadDrafter:
         """This stage's head and tree over the target's prefill states: what one run drafts with."""
