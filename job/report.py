@@ -117,10 +117,12 @@ def write_trace_files(cfg: DictConfig, run_dir: Path, spec: GraphSpec, plan: Pla
 
 
 def write_metrics(cfg: DictConfig, run_dir: Path, plan: Plan, per_run: list[dict], *, setup_s: float, warmup: int,
-                  cluster: dict | None = None, failed: list[dict] | None = None) -> dict[str, Any]:
+                  cluster: dict | None = None, failed: list[dict] | None = None,
+                  compiles: list[dict] | None = None) -> dict[str, Any]:
     """metrics.json (and summary.md for several requests) from the requests' metrics, in request
     order: the same files whether the requests ran here or on Ray workers. failed: rows of the
-    requests that have no result ({request, error, attempts}), listed in both files."""
+    requests that have no result ({request, error, attempts}), listed in both files. compiles:
+    what the job compiled at setup ({what, mode, seconds}; part of setup_s)."""
     m0 = per_run[0]
     model = OmegaConf.to_container(cfg.model, resolve=True) if cfg.get("model") else {}
     metrics: dict[str, Any] = {
@@ -129,6 +131,7 @@ def write_metrics(cfg: DictConfig, run_dir: Path, plan: Plan, per_run: list[dict
         "video": m0.get("video"),
         "runner": plan.runner,
         "setup_s": round(setup_s, 6),
+        "compile": {"seconds": round(sum(c["seconds"] for c in compiles or []), 3), "what": compiles or []},
         "warmup_runs": warmup,
         **{k: v for k, v in m0.items() if k != "request"},
         "memory": peak_memory(),

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from graph.executor import Executor, RunResult
 from job.prepare import graph_ports, prepare
 from job.report import run_metrics, write_metrics, write_trace_files
+from models.compiled_step import compile_records
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ def run_job(cfg: DictConfig, requests: list[Any], run_dir: Path) -> dict[str, An
     """Run every request and write the run dir's files: in this process (cluster=local), or over a
     pool of Ray workers (cluster=ray, job.ray_pool)."""
     run_dir = Path(run_dir)
+    started = time.time()
     spec, plan = prepare(cfg)
     (run_dir / "plan.txt").write_text(plan.to_text())
     log.info("plan:\n%s", plan.to_text())
@@ -47,9 +49,15 @@ def run_job(cfg: DictConfig, requests: list[Any], run_dir: Path) -> dict[str, An
             results.append(ex.run(request))
         elapsed = time.perf_counter() - t0
         setup_s = sum(c.t1 - c.t0 for c in ex.setup_calls)
+    compiles = compile_records(since=started)      # the stages' models compiled at setup, before any request
+    if compiles:
+        with open(run_dir / "plan.txt", "a") as f:
+            f.write("\ncompiled at setup:\n" + "".join(f"  {c['what']} ({c['mode']}): {c['seconds']:.1f} s\n"
+                                                       for c in compiles))
     per_run = [run_metrics(r, spec, plan, first_token, answer) for r in results]
     first = results[0]
     write_trace_files(cfg, run_dir, spec, plan, first.calls, first.t_start, per_run[0])
     throughput = {"kind": "local", "requests": len(per_run), "elapsed_s": round(elapsed, 6),
                   "throughput_rps": round(len(per_run) / elapsed, 6) if elapsed > 0 else None}
-    return write_metrics(cfg, run_dir, plan, per_run, setup_s=setup_s, warmup=warmup, cluster=throughput)
+    return write_metrics(cfg, run_dir, plan, per_run, setup_s=setup_s, warmup=warmup, cluster=throughput,
+                         compiles=compiles)

@@ -80,6 +80,7 @@ class VideoLM:
         self.vocab_size = self.text_config.vocab_size
         # the decode path: tokens after the prompt through models.lean (None: the model's own forward)
         self.lean = LeanDecoder.of(self.text)
+        self.compile = "off"           # the torch.compile mode of the decode path's steps (load_model sets it)
         eos = model.generation_config.eos_token_id if model.generation_config else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

@@ -152,7 +152,9 @@ class LeanDecoder:
         values appended here, outside the compiled function."""
         n = embeds.shape[0]
         cos, sin = self._rotary(positions, embeds)
-        among = mask if mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+        # made here, in inference mode, whatever mode the caller built it in: the compiled step is
+        # guarded on its inputs' dispatch keys and would compile again for a normal tensor
+        among = mask.clone() if mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
         layers = cache.layers
         hidden, new_k, new_v = self.step(embeds, cos, sin, [layer.keys[0] for layer in layers],
                                          [layer.values[0] for layer in layers], among.to(embeds.device))

@@ -44,19 +44,36 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
                lean: bool = True, compile: str = "off", name: str | None = None):
     """The checkpoint at `path` behind the VideoLM protocol. lean: decode steps and verifications
     take models.lean's path over the model's weights (False: the model's own forward). compile:
-    "off", or a torch.compile mode for the lean path's steps (models.compiled_step)."""
-    from models.compiled_step import MODES, CompiledStep
+    "off", a torch.compile mode for the lean path's steps (models.compiled_step.MODES, compiled
+    and warmed here, before any request), or "auto": whichever of "off" and "default" measures
+    faster on this device (measured once, then remembered: models.compiled_step.choose_mode)."""
+    from models.compiled_step import SETTINGS, CompiledStep, choose_mode
 
-    if compile not in MODES:
-        raise ModelError(f"compile={compile!r}: use one of {', '.join(MODES)}")
+    if compile not in SETTINGS:
+        raise ModelError(f"compile={compile!r}: use one of {', '.join(SETTINGS)}")
     if compile != "off" and not lean:
         raise ModelError("compile needs the lean path (lean: true): it compiles the lean step")
     lm = _load(path, dtype=dtype, device=device, attn_implementation=attn_implementation, name=name)
     if not lean:
         lm.lean = None
     elif compile != "off" and lm.lean is not None:
-        lm.lean.step = CompiledStep(lm.lean, compile)
+        mode = compile if compile != "auto" else choose_mode(lm, _machine_key(path, lm))
+        if mode != "off":
+            lm.lean.step = CompiledStep(lm.lean, mode)
+            lm.lean.step.warm(lm.device, lm.dtype, name=lm.name)
+        lm.compile = mode
     return lm
+
+
+def _machine_key(path: str, lm) -> str:
+    """What a measured choice holds for: the checkpoint, dtype, device, threads and torch."""
+    import platform
+
+    if lm.device.type == "cuda":
+        where = torch.cuda.get_device_name(lm.device)
+    else:
+        where = f"{platform.machine()} {platform.processor() or ''}".strip() + f", {torch.get_num_threads()} threads"
+    return f"{resolve(path)} | {lm.dtype} | {where} | torch {torch.__version__}"
 
 
 def _load(path: str, *, dtype: str, device: str, attn_implementation: str, name: str | None):

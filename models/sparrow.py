@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import grouped_attention
+from models.compiled_step import split_attention
 from models.lean import rms_norm, rotate
 
 CONFIG_FILE, WEIGHTS_FILE = "sparrow.json", "head.safetensors"
@@ -128,12 +129,7 @@ class SparrowHead(nn.Module):
         n). Returns the layer's output ĥ [n, hidden] (no final norm: it regresses the target's
         final-norm feature)."""
         c, n = self.config, z.shape[0]
-        h = rms_norm(z, self.input_norm, c.eps)
-        q = self.q(h).view(n, c.heads, c.head_dim).transpose(0, 1)                 # [H, n, hd]
-        k = self.k(h).view(n, c.kv_heads, c.head_dim).transpose(0, 1)              # [KV, n, hd]
-        v = self.v(h).view(n, c.kv_heads, c.head_dim).transpose(0, 1)
-        cos, sin = self.rotary(positions)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k, v = self._project(z, positions)
         if cache is not None:
             keys, values = torch.cat([cache.keys, k], 1), torch.cat([cache.values, v], 1)
             cache.keys, cache.values = keys, values
@@ -141,8 +137,35 @@ class SparrowHead(nn.Module):
             keys, values = k, v
         full = None if mask is None else mask[None, None].to(z.device)
         attn = grouped_attention(q[None], keys[None], values[None], full, c.head_dim ** -0.5)   # [1, n, H, hd]
-        x = z + self.o(attn.reshape(n, c.heads * c.head_dim))
-        h = rms_norm(x, self.post_norm, c.eps)
+        return self._finish(z, attn.reshape(n, c.heads * c.head_dim))
+
+    def rows(self, z: torch.Tensor, positions: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
+             earlier_k: torch.Tensor, earlier_v: torch.Tensor, mask: torch.Tensor):
+        """The layer over rows that are not cached (a draft tree's level): z [n, hidden] at
+        positions [n]; every entry of the read-only prefix_k, prefix_v [KV, L, hd] (the head's
+        cache) is seen, and of the rows earlier_k, earlier_v [KV, e, hd] followed by these n, the
+        ones mask bool [n, e + n] says. Returns (ĥ [n, hidden], the n rows' keys and values
+        [KV, n, hd]). Fixed shapes and nothing written: what a compiled tree level needs."""
+        c = self.config
+        q, k, v = self._project(z, positions)
+        among_k, among_v = torch.cat([earlier_k, k], 1), torch.cat([earlier_v, v], 1)
+        attn = split_attention(q, among_k, among_v, prefix_k, prefix_v, mask, c.head_dim ** -0.5)   # [n, H*hd]
+        return self._finish(z, attn), k, v
+
+    def _project(self, z: torch.Tensor, positions: torch.Tensor):
+        """z [n, hidden] -> q [H, n, hd], k, v [KV, n, hd], rotated to their positions."""
+        c, n = self.config, z.shape[0]
+        h = rms_norm(z, self.input_norm, c.eps)
+        q = self.q(h).view(n, c.heads, c.head_dim).transpose(0, 1)                 # [H, n, hd]
+        k = self.k(h).view(n, c.kv_heads, c.head_dim).transpose(0, 1)              # [KV, n, hd]
+        v = self.v(h).view(n, c.kv_heads, c.head_dim).transpose(0, 1)
+        cos, sin = self.rotary(positions)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def _finish(self, z: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual, output projection and MLP after attention [n, H * hd] -> ĥ [n, hidden]."""
+        x = z + self.o(attn)
+        h = rms_norm(x, self.post_norm, self.config.eps)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
     # ------------------------------------------------------------------------ files

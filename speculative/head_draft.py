@@ -19,53 +19,114 @@ A round:
 
 from __future__ import annotations
 
+import functools
+import time
+
 import torch
 
+from models.compiled_step import call_at_warmed_threads, record_compile, thread_counts
 from models.sparrow import HeadCache, SparrowHead
 from speculative.protocol import DraftInfo, Proposal, Timer, Verdict
-from speculative.tree import best_subtree, chain_parents, path_to, to_expand
+from speculative.tree import best_subtree, chain_parents, to_expand, tree_depths
+
+
+def grow_tree(head: SparrowHead, lm, prefix_k: torch.Tensor, prefix_v: torch.Tensor, top: torch.Tensor,
+              position: int, *, depth: int, topk: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """EAGLE-2's expansion in fixed shapes, a level at a time over the whole frontier. The root is
+    the token whose head output is `top` [hidden], its children at text position `position`;
+    prefix_k, prefix_v [KV, L, hd]: the head's cache (read, never written). Each level expands the
+    `topk` best frontier nodes (to_expand) in one head forward: each row sees the cache, its
+    drafted ancestors' rows and itself; k children of each (the head's k most likely tokens) join
+    the frontier.
+
+    -> tokens [N], parents [N] (-1: under the root), scores float64 [N] (cumulative
+    log-probabilities), k = min(topk, vocab), N = k + (depth - 1)·k² when topk ≤ vocab; listed
+    level by level and, within a level, by the expanded parent, best first. No Python per node
+    and no host sync: what torch.compile (or a captured graph) can take whole."""
+    k = min(topk, vocab)
+    first = torch.log_softmax(lm.logits(top)[:vocab], -1).topk(k)
+    tokens, parents, scores = [first.indices], [torch.full((k,), -1, device=top.device)], [first.values.double()]
+    front_scores, front_first = scores[0], 0             # the frontier: the last level's nodes, from node front_first
+    front_parent_row = torch.full((k,), -1, device=top.device)   # each frontier node's parent's row (-1: the root)
+    c = head.config
+    states = top[None]                                   # [1 + rows, hidden]: the root, then each drafted row's output
+    drafted_k = prefix_k.new_zeros(c.kv_heads, 0, c.head_dim)      # [KV, rows, hd]
+    drafted_v = drafted_k
+    sees = torch.zeros(0, 0, dtype=torch.bool, device=top.device)   # [rows, rows]: a drafted row's ancestors and itself
+    for level in range(1, depth):
+        order = to_expand(front_scores, topk)                             # [e]: positions in the frontier
+        e, rows = order.shape[0], sees.shape[0]
+        up = front_parent_row[order]                                      # [e]: the parents' rows (-1: the root)
+        above = (sees[up.clamp_min(0)] & (up >= 0)[:, None] if rows       # [e, rows]: each parent's view
+                 else sees.new_zeros(e, 0))
+        mask = torch.cat([above, torch.eye(e, dtype=torch.bool, device=top.device)], 1)   # [e, rows + e]
+        z = head.fuse(lm.embed(tokens[-1][order]), states[up + 1])
+        out, new_k, new_v = head.rows(z, torch.full((e,), position + level - 1, device=top.device), prefix_k,
+                                      prefix_v, drafted_k, drafted_v, mask)                 # [e, hidden]
+        sees = torch.cat([torch.cat([sees, sees.new_zeros(rows, e)], 1), mask])            # [rows + e, rows + e]
+        drafted_k, drafted_v = torch.cat([drafted_k, new_k], 1), torch.cat([drafted_v, new_v], 1)
+        states = torch.cat([states, out])
+        best = torch.log_softmax(lm.logits(out)[:, :vocab], -1).topk(k, -1)                   # [e, k]
+        tokens.append(best.indices.reshape(-1))
+        parents.append((front_first + order).repeat_interleave(k))
+        front_first += front_scores.shape[0]
+        front_scores = (front_scores[order, None] + best.values.double()).reshape(-1)          # [e·k]
+        scores.append(front_scores)
+        front_parent_row = (rows + torch.arange(e, device=top.device)).repeat_interleave(k)
+    return torch.cat(tokens), torch.cat(parents), torch.cat(scores)
 
 
 def draft_tree(head: SparrowHead, lm, cache: HeadCache, top: torch.Tensor, position: int, *, total: int,
-               depth: int, topk: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+               depth: int, topk: int, vocab: int, grow=grow_tree) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """A dynamic draft tree under the token whose head output is `top` [hidden] (the head's cache
-    holds it); its children sit at text position `position`. Returns (tokens [n], parents [n],
-    facts) with parents listed first; the head's cache is as it was."""
-    base = cache.length
-    first = torch.log_softmax(lm.logits(top)[:vocab], -1).topk(min(topk, vocab))
-    tokens = first.indices.tolist()
-    parents = [-1] * len(tokens)
-    scores = first.values.tolist()
-    depths = [1] * len(tokens)
-    state: dict[int, torch.Tensor] = {}            # node -> the head's output there (expanded nodes)
-    slot: dict[int, int] = {}                      # node -> its row in the head's cache
-    frontier = list(range(len(tokens)))
-    for level in range(1, depth):
-        expand = to_expand(frontier, scores, topk)
-        if not expand:
-            break
-        feats = torch.stack([top if parents[i] < 0 else state[parents[i]] for i in expand])
-        z = head.fuse(lm.embed(torch.tensor([tokens[i] for i in expand])), feats)
-        n_cached = cache.length
-        mask = torch.zeros(len(expand), n_cached + len(expand), dtype=torch.bool)
-        mask[:, :base] = True                       # the committed text and the root
-        for row, i in enumerate(expand):            # itself and its drafted ancestors' rows
-            mask[row, [n_cached + row] + [slot[a] for a in path_to(parents, parents[i])]] = True
-        out = head(cache, z, torch.full((len(expand),), position + level - 1), mask)
-        frontier = []
-        best = torch.log_softmax(lm.logits(out)[:, :vocab], -1).topk(min(topk, vocab), -1)
-        for row, i in enumerate(expand):
-            state[i], slot[i] = out[row], n_cached + row
-            for lp, t in zip(best.values[row].tolist(), best.indices[row].tolist()):
-                tokens.append(t)
-                parents.append(i)
-                scores.append(scores[i] + lp)
-                depths.append(level + 1)
-                frontier.append(len(tokens) - 1)
-    cache.crop(base)
-    order, kept_parents = best_subtree(parents, scores, depths, total)
-    return (torch.tensor([tokens[i] for i in order]), kept_parents,
-            {"nodes": len(order), "depth": max(depths[i] for i in order)})
+    holds it); its children sit at text position `position`. EAGLE-2: `grow` (grow_tree, or it
+    compiled) drafts depth levels of the topk best, then the `total` best nodes are kept
+    (best_subtree). Returns (tokens [n], parents [n], facts) with parents listed first; the head's
+    cache is untouched."""
+    # top is a row of the head's last output: a copy of its own, so that a compiled grow sees the
+    # same layout (no storage offset) whichever row it was
+    tokens, parents, scores = grow(head, lm, cache.keys, cache.values, top.clone(), position, depth=depth,
+                                   topk=topk, vocab=vocab)
+    kept, kept_parents = best_subtree(parents, scores, total)
+    return tokens[kept], kept_parents, {"nodes": int(kept.shape[0]), "depth": int(tree_depths(kept_parents).max()) + 1}
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def grower(mode: str, device="cpu"):
+    """grow_tree as the head drafts with it: eager for "off", else compiled in that torch.compile
+    mode (models.compiled_step.MODES), once per process and mode, and called at a thread count it
+    was warmed for (warm_tree). Compiled with dynamic shapes, a tree shape (depth, topk) is one
+    compile that serves every cache length and position."""
+    if mode == "off":
+        return grow_tree
+    if mode not in _COMPILED:
+        compiled = torch.compile(grow_tree, dynamic=True, mode=None if mode == "default" else mode)
+        _COMPILED[mode] = functools.partial(call_at_warmed_threads, compiled, thread_counts(device))
+    return _COMPILED[mode]
+
+
+@torch.inference_mode()
+def warm_tree(head: SparrowHead, lm, *, total: int, depth: int, topk: int) -> float:
+    """Compile the tree drafting of this shape for lm's compile mode now (nothing to do when it is
+    "off"), over a dummy cache, so that no request pays for it. Returns the seconds."""
+    if lm.compile == "off":
+        return 0.0
+    t0, now = time.perf_counter(), torch.get_num_threads()
+    cache = HeadCache.empty(head)
+    top = head(cache, torch.zeros(3, head.config.hidden, device=lm.device, dtype=lm.dtype), torch.arange(3))[-1]
+    grow = grower(lm.compile, lm.device)
+    counts = thread_counts(lm.device)
+    try:
+        for threads in counts:
+            torch.set_num_threads(threads)
+            draft_tree(head, lm, cache, top, 3, total=total, depth=depth, topk=topk, vocab=lm.vocabulary, grow=grow)
+    finally:
+        torch.set_num_threads(now)
+    seconds = time.perf_counter() - t0
+    record_compile(f"sparrow tree {total}-{depth}-{topk}, {'/'.join(map(str, counts))} threads", lm.compile, seconds)
+    return seconds
 
 
 def draft_chain(head: SparrowHead, lm, cache: HeadCache, top: torch.Tensor, position: int, *, depth: int,
@@ -124,8 +185,9 @@ class HeadDrafter:
                 return None
             shape = dict(depth=self.depth, vocab=self.vocab)
             if self.tree:
+                grow = grower(self.lm.compile, self.lm.device)
                 tokens, parents, _ = draft_tree(self.head, self.lm, self.cache, self.top, self.position,
-                                                total=self.total, topk=self.topk, **shape)
+                                                total=self.total, topk=self.topk, grow=grow, **shape)
             else:
                 tokens, parents, _ = draft_chain(self.head, self.lm, self.cache, self.top, self.position, **shape)
         self.round += 1

@@ -10,10 +10,9 @@ parents are i − 1, and every function here treats it as the chain it is.
     chain_parents(k), children_of(parents), check_tree(tokens, parents)   structure
     tree_mask(parents)       bool [n, n]: node i sees node j iff j is i or an ancestor of i
     tree_depths(parents)     int64 [n]: a root has depth 0
-    path_to(parents, i)      the nodes from a root down to i
     under_chain(m, parents)  the tree hung under m committed tokens not yet cached (one forward)
     bushy_tree(n, width)     a draft tree's shape, for timing a tree forward
-    to_expand, best_subtree  EAGLE-2's choices: which nodes grow, which are kept
+    to_expand, best_subtree  EAGLE-2's choices, as tensors: which nodes grow, which are kept
 """
 
 from __future__ import annotations
@@ -75,15 +74,6 @@ def tree_depths(parents: torch.Tensor) -> torch.Tensor:
     return torch.tensor(depth, dtype=torch.long)
 
 
-def path_to(parents: list[int], node: int) -> list[int]:
-    """The nodes from a root down to `node` (itself last); [] for -1."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
-
-
 def under_chain(m: int, parents: torch.Tensor) -> torch.Tensor:
     """parents [n] of a tree -> parents [m + n] of one tree: a chain of m tokens (committed, not yet
     cached) with the tree's roots hung under its last one. With m = 0 the tree itself."""
@@ -101,19 +91,28 @@ def bushy_tree(n: int, width: int = 4) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- EAGLE-2's dynamic tree
 
-def to_expand(frontier: list[int], scores: list[float], topk: int) -> list[int]:
-    """The `topk` frontier nodes with the highest cumulative log-probability: the next level grows
-    under them (EAGLE-2's expansion)."""
-    return sorted(frontier, key=lambda i: -scores[i])[:topk]
+def to_expand(frontier_scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """frontier_scores float64 [F] (cumulative log-probabilities of the frontier, in node order)
+    -> the positions in the frontier of its `topk` best, best first, ties to the earlier node: the
+    next level grows under them (EAGLE-2's expansion). float64 and a stable sort make the choice
+    the same on every machine for the same scores."""
+    return torch.sort(-frontier_scores, stable=True).indices[:topk]
 
 
-def best_subtree(parents: list[int], scores: list[float], depths: list[int], total: int) -> tuple[list[int], torch.Tensor]:
-    """EAGLE-2's reranking: the `total` nodes with the highest cumulative log-probability, closed
-    under ancestors (a node's ancestors are at least as likely, so this only matters on ties),
-    listed by depth. Returns (the kept nodes in their new order, their parents [m] renumbered)."""
-    keep = set(sorted(range(len(parents)), key=lambda i: -scores[i])[:total])
-    for i in list(keep):
-        keep.update(path_to(parents, i))
-    order = sorted(keep, key=lambda i: (depths[i], i))
-    index = {node: j for j, node in enumerate(order)}
-    return order, torch.tensor([index.get(parents[i], -1) for i in order], dtype=torch.long)
+def best_subtree(parents: torch.Tensor, scores: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-2's reranking. parents int64 [N] of a tree listed level by level (no node deeper than
+    a later one), scores float64 [N] -> (kept [m]: the `total` best nodes, ties to the earlier,
+    closed under ancestors, in their original order, so by depth; their parents [m] renumbered
+    among them). A node's ancestors are at least as likely as it, so the closure only matters on
+    ties."""
+    keep = torch.zeros(parents.shape[0], dtype=torch.bool)
+    keep[torch.sort(-scores, stable=True).indices[:total]] = True
+    while True:                      # at most depth passes: each adds the parents of what is kept
+        up = parents[keep & (parents >= 0)]
+        if keep[up].all():
+            break
+        keep[up] = True
+    kept = keep.nonzero().squeeze(1)
+    number = torch.cumsum(keep, 0) - 1                                   # [N]: a kept node's new number
+    kept_parents = parents[kept]
+    return kept, torch.where(kept_parents >= 0, number[kept_parents.clamp_min(0)], -1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from graph.stage import In, Out, Stage
 from models.registry import get_model
 from models.sparrow import SparrowHead
-from speculative.head_draft import HeadDrafter
+from speculative.head_draft import HeadDrafter, warm_tree
 from speculative.protocol import Proposal, Verdict
 from stages.draft import draft_round
 from stages.types import Taps
@@ -45,6 +45,8 @@ class SparrowDraft(Stage):
         if not self.vata and not self.head.config.tap_layer:
             raise ValueError(f"{self.head_path}: without VATA the head reads the video's layer-m* states, "
                              "and this head names no m* (tap_layer)")
+        if self.tree:
+            warm_tree(self.head, self.lm, total=self.total, depth=self.depth, topk=self.topk)
         self.start_run(ctx)
 
     def __call__(self, ctx, taps: Taps, verdict: Verdict | None):

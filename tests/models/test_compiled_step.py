@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.compiled_step import split_attention
+from models.compiled_step import compile_records, split_attention
 from models.decoding import greedy, prefill_video
 from models.load import ModelError, load_model
 from speculative.tree import bushy_tree, tree_depths, tree_mask
@@ -37,10 +37,13 @@ def test_split_attention_is_attention_over_prefix_and_new_tokens(n, cached, head
 
 
 def test_a_compiled_model_decodes_the_eager_lean_paths_tokens_without_recompiling():
+    """Loading compiles and warms every shape a run takes: from then on, steps over caches of any
+    length, k-token verifications and trees of any size run without a compile (a recompile raises)."""
     ex = example(7, 30, 2)
-    eager, compiled = load_model(TARGET), load_model(TARGET, compile="default")
-    want = greedy(eager, *_prefilled(eager, ex), 64)
-    assert greedy(compiled, *_prefilled(compiled, ex), 64) == want       # compiles the one-token step
+    eager = load_model(TARGET)
+    torch._dynamo.reset()
+    compiled = load_model(TARGET, compile="default")
+    assert compiled.compile == "default" and "lean step" in compile_records()[-1]["what"]
     trees = [bushy_tree(n) for n in (12, 20)]
     ids = torch.arange(20) + 3
 
@@ -53,14 +56,10 @@ def test_a_compiled_model_decodes_the_eager_lean_paths_tokens_without_recompilin
             lm.drop_last(cache, n)
         return out
 
-    score_trees(compiled)                             # compiles the several-token step (one size serves all)
-    previous = torch._dynamo.config.error_on_recompile
-    torch._dynamo.config.error_on_recompile = True    # a step that recompiled per length or size fails here
-    try:
+    want = greedy(eager, *_prefilled(eager, ex), 64)
+    with torch.compiler.set_stance("fail_on_recompile"):
         assert greedy(compiled, *_prefilled(compiled, ex), 64) == want
         got = score_trees(compiled)
-    finally:
-        torch._dynamo.config.error_on_recompile = previous
     for g, r in zip(got, score_trees(eager)):
         torch.testing.assert_close(g, r, rtol=0, atol=1e-4)
 
@@ -75,3 +74,26 @@ def test_compile_settings_are_checked():
         load_model(TARGET, compile="fast")
     with pytest.raises(ModelError, match="lean"):
         load_model(TARGET, compile="default", lean=False)
+    with pytest.raises(ModelError, match="auto"):
+        load_model(TARGET, compile="fastest")
+
+
+def test_auto_measures_once_then_reads_its_choice(tmp_path, monkeypatch):
+    """`compile: auto` times both paths on this machine, keeps the faster, and remembers it: a
+    second load reads the choice and measures nothing."""
+    import json
+
+    from models import compiled_step
+
+    monkeypatch.setenv("REELFLOW_CACHE", str(tmp_path))
+    lm = load_model(TARGET, compile="auto")
+    (key, choice), = json.loads((tmp_path / compiled_step.CHOICES_FILE).read_text()).items()
+    assert "qwen-target" in key and set(choice["ms"]) == {"off", "default"}
+    assert lm.compile == choice["mode"] == min(choice["ms"], key=choice["ms"].get)
+    assert (lm.lean.step is None) == (lm.compile == "off")
+
+    def measured_again(*a, **k):
+        raise AssertionError("auto measured a second time")
+
+    monkeypatch.setattr(compiled_step, "measure_modes", measured_again)
+    assert load_model(TARGET, compile="auto").compile == choice["mode"]

@@ -14,7 +14,16 @@ import pytest
 import torch
 
 from speculative.rules import greedy_verify, tree_greedy_verify, tree_sample_verify
-from speculative.tree import best_subtree, bushy_tree, check_tree, children_of, path_to, tree_depths, tree_mask, under_chain
+from speculative.tree import (
+    best_subtree,
+    bushy_tree,
+    check_tree,
+    children_of,
+    to_expand,
+    tree_depths,
+    tree_mask,
+    under_chain,
+)
 
 CHI2_999 = {5: 20.52, 11: 31.26}       # 0.999 quantiles of chi-square with 5 and 11 degrees of freedom
 V = 6
@@ -147,9 +156,8 @@ def test_the_bushy_tree_is_a_draft_trees_shape():
     assert tree_depths(parents).max() == 2 and torch.bincount(parents[4:]).max() <= 4
 
 
-def test_paths_and_a_tree_hung_under_a_pending_chain():
+def test_a_tree_hung_under_a_pending_chain():
     parents = [-1, 0, 0, 1, -1]
-    assert path_to(parents, 3) == [0, 1, 3] and path_to(parents, 4) == [4] and path_to(parents, -1) == []
     # two committed tokens not yet cached, then the tree under the second one
     assert under_chain(2, torch.tensor(parents)).tolist() == [-1, 0, 1, 2, 2, 3, 1]
     assert under_chain(0, torch.tensor(parents)).tolist() == parents
@@ -159,9 +167,19 @@ def test_best_subtree_keeps_the_most_likely_nodes_closed_under_ancestors():
     #        0 (-1.0) ─ 2 (-1.5)
     # root ─ ┤
     #        1 (-1.2) ─ 3 (-1.2: a tie with its parent)
-    parents, scores, depths = [-1, -1, 0, 1], [-1.0, -1.2, -1.5, -1.2], [1, 1, 2, 2]
-    order, kept = best_subtree(parents, scores, depths, total=2)
-    # the two best are 0 and one of the -1.2 ties; whichever, a kept node's parent is kept
-    assert 0 in order and all(p < i for i, p in enumerate(kept.tolist()))
-    order, kept = best_subtree(parents, scores, depths, total=3)
-    assert sorted(order) == [0, 1, 3] and kept.tolist() == [-1, -1, 1]   # listed by depth, renumbered
+    parents = torch.tensor([-1, -1, 0, 1])
+    scores = torch.tensor([-1.0, -1.2, -1.5, -1.2], dtype=torch.float64)
+    kept, kept_parents = best_subtree(parents, scores, total=2)
+    assert kept.tolist() == [0, 1] and kept_parents.tolist() == [-1, -1]     # the tie goes to the earlier node
+    kept, kept_parents = best_subtree(parents, scores, total=3)
+    assert kept.tolist() == [0, 1, 3] and kept_parents.tolist() == [-1, -1, 1]   # renumbered among the kept
+    # scores no drafted tree has (a child above its parents) show the closure under ancestors
+    scores = torch.tensor([-3.0, -2.0, -1.0], dtype=torch.float64)
+    kept, kept_parents = best_subtree(torch.tensor([-1, 0, 1]), scores, 1)
+    assert kept.tolist() == [0, 1, 2] and kept_parents.tolist() == [-1, 0, 1]
+
+
+def test_expansion_takes_the_best_frontier_nodes_ties_to_the_earlier():
+    scores = torch.tensor([-1.0, -0.5, -1.0, -0.5, -2.0], dtype=torch.float64)
+    assert to_expand(scores, 3).tolist() == [1, 3, 0]
+    assert to_expand(scores, 9).tolist() == [1, 3, 0, 2, 4]

@@ -85,6 +85,31 @@ def test_greedy_sparrow_is_token_identical_to_generate(arch, variant, tmp_path):
     assert meta["rounds"] >= 1 and meta["draft_prefill"]["vata"] == (variant != "no_vata")
 
 
+def test_compiled_sparrow_is_token_identical_and_never_compiles_mid_run(tmp_path):
+    """With the target compiled (its steps and the head's tree, warmed at setup for every thread
+    count an elastic pool takes), requests over videos of two lengths decode generate()'s tokens,
+    and no compile happens once the stages are set up (a recompile raises)."""
+    target = {"path": TARGETS["qwen2_5_vl"], "fps": FPS["qwen2_5_vl"], "size": 84, "name": "target",
+              "compile": "default"}
+    head = random_head(load_model(target["path"]), tmp_path / "head")
+    nodes = sparrow_nodes(target, head)
+    nodes["draft"]["stage"].update(total=10, depth=6, topk=2)        # the CPU's default tree
+    spec, plan = make(nodes)
+    videos = []
+    for seed, seconds in ((31, 8), (32, 14)):
+        videos.append(tmp_path / f"v{seed}.mp4")
+        make_video(seed, seconds, 2, 84, videos[-1])
+    try:
+        with Executor(spec, plan, progress=False) as ex, torch.compiler.set_stance("fail_on_recompile"):
+            got = [ex.run(Request(v.stem, str(v), PROMPT)).outputs["verify.tokens"].ids for v in videos]
+    finally:
+        release_all()
+    eos = load_model(target["path"]).eos_ids
+    for ids, video in zip(got, videos):
+        ref = reference_ids(target, str(video), PROMPT, 24)               # the model's own generate()
+        assert ids == ref[:len(ids)] and (len(ids) == 24 or ids[-1] in eos)
+
+
 def test_a_primed_proposal_edge_is_refused_for_a_tree_draft(tmp_path):
     """The first token from the prefill (a primed proposal edge) is for chain drafts: a tree
     arriving after it stops the run with a message that says what to change."""

@@ -1,0 +1,102 @@
+"""Sparrow's dynamic tree in fixed shapes (speculative.head_draft.grow_tree, eager and compiled) is
+EAGLE-2's expansion as written node by node: the same tokens, parents and depth, for the shipped
+head and random states, for the shapes the configs use and degenerate ones. The node-by-node
+version below is the reference: a plain transcription of the algorithm with Python lists, float64
+scores and the head's cached forward with a full mask.
+
+The two compute the head's attention in another order (split in two and merged by log-sum-exp,
+against one softmax), so their log-probabilities differ by float32 rounding (~1e-7). A tree could
+only differ where two candidates' scores tie to that precision; the random states here give none,
+and a tie would break on every machine the same way in both (stable sorts, float64 sums)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.load import load_model
+from models.sparrow import HeadCache, SparrowHead
+from speculative.head_draft import draft_tree, grow_tree
+
+
+def eagle2_node_by_node(head, lm, cache, top, position, *, total, depth, topk, vocab):
+    def path_to(parents, node):
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        return path[::-1]
+
+    base = cache.length
+    first = torch.log_softmax(lm.logits(top)[:vocab], -1).topk(min(topk, vocab))
+    tokens, scores = first.indices.tolist(), first.values.tolist()
+    parents, depths = [-1] * len(tokens), [1] * len(tokens)
+    state, slot, frontier = {}, {}, list(range(len(tokens)))
+    for level in range(1, depth):
+        expand = sorted(frontier, key=lambda i: -scores[i])[:topk]
+        feats = torch.stack([top if parents[i] < 0 else state[parents[i]] for i in expand])
+        z = head.fuse(lm.embed(torch.tensor([tokens[i] for i in expand])), feats)
+        n_cached = cache.length
+        mask = torch.zeros(len(expand), n_cached + len(expand), dtype=torch.bool)
+        mask[:, :base] = True
+        for row, i in enumerate(expand):
+            mask[row, [n_cached + row] + [slot[a] for a in path_to(parents, parents[i])]] = True
+        out = head(cache, z, torch.full((len(expand),), position + level - 1), mask)
+        frontier = []
+        best = torch.log_softmax(lm.logits(out)[:, :vocab], -1).topk(min(topk, vocab), -1)
+        for row, i in enumerate(expand):
+            state[i], slot[i] = out[row], n_cached + row
+            for lp, t in zip(best.values[row].tolist(), best.indices[row].tolist()):
+                tokens.append(t)
+                parents.append(i)
+                scores.append(scores[i] + lp)
+                depths.append(level + 1)
+                frontier.append(len(tokens) - 1)
+    cache.crop(base)
+    keep = set(sorted(range(len(parents)), key=lambda i: -scores[i])[:total])
+    for i in list(keep):
+        keep.update(path_to(parents, i))
+    order = sorted(keep, key=lambda i: (depths[i], i))
+    index = {node: j for j, node in enumerate(order)}
+    return ([tokens[i] for i in order], [index.get(parents[i], -1) for i in order], max(depths[i] for i in order))
+
+
+@pytest.fixture(scope="module")
+def head_and_target():
+    lm = load_model("zoo/weights/qwen-target")
+    return SparrowHead.load("zoo/weights/qwen-sparrow", lm), lm
+
+
+SHAPES = [(10, 6, 2), (30, 4, 8), (48, 5, 10), (60, 6, 10), (1, 1, 1), (5, 3, 64), (200, 4, 4)]   # total-depth-topk
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@torch.inference_mode()
+def test_the_tensor_tree_is_eagle2_node_by_node(head_and_target, shape, seed):
+    check_against_reference(head_and_target, shape, seed, grow_tree)
+
+
+@torch.inference_mode()
+def test_the_compiled_tree_is_eagle2_node_by_node_without_recompiling(head_and_target):
+    """The CPU default tree (10-6-2) compiled once serves every cache length and position."""
+    compiled = torch.compile(grow_tree, dynamic=True)
+    check_against_reference(head_and_target, (10, 6, 2), 0, compiled)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        check_against_reference(head_and_target, (10, 6, 2), 1, compiled, length=33)
+        check_against_reference(head_and_target, (10, 6, 2), 2, compiled, length=57)
+
+
+def check_against_reference(head_and_target, shape, seed, grow, length=20):
+    head, lm = head_and_target
+    total, depth, topk = shape
+    torch.manual_seed(seed)
+    cache = HeadCache.empty(head)
+    top = head(cache, torch.randn(length, lm.hidden_size), torch.arange(length))[-1]
+    tokens, parents, facts = draft_tree(head, lm, cache, top, length, total=total, depth=depth, topk=topk, vocab=64,
+                                        grow=grow)
+    assert cache.length == length
+    want_tokens, want_parents, want_depth = eagle2_node_by_node(head, lm, cache, top, length, total=total, depth=depth,
+                                                                topk=topk, vocab=64)
+    assert tokens.tolist() == want_tokens and parents.tolist() == want_parents
+    assert facts == {"nodes": len(want_tokens), "depth": want_depth}
