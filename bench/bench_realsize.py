@@ -19,6 +19,10 @@ Tp (the target verifying `--gamma` tokens over the full context), Tq(α) (the dr
 the pruned one), c* = Tp / Tq(α), and the paper's Eq. 7 projection τ̂ · c* at a few acceptance
 rates τ̂ (random weights have no acceptance of their own; the toy pair's is measured by bench_sd).
 
+With `--peer`, each model's step is also timed through the peer a user would pick: transformers'
+own Qwen2 decoder of the same shape and weights over a static cache, compiled (bench/peer.py;
+CUDA graphs through "reduce-overhead" on a GPU).
+
 Writes outputs/bench_realsize/<time>/: results.json (every figure), table.md, realsize.png.
 Timings are synchronised device time on the wall clock; nothing here is a unit test.
 """
@@ -73,9 +77,10 @@ def kept_rows(layout, alpha: float) -> torch.Tensor:
 
 
 def measure(lm, n_video: int, *, steps: int, repeats: int, ks: tuple[int, ...], alpha: float = 0.0,
-            paths: tuple[str, ...] = ("lean",), sparrow: dict | None = None) -> dict:
+            paths: tuple[str, ...] = ("lean",), sparrow: dict | None = None, peer=None) -> dict:
     """Every timing of one model at one context (see the module doc); with `alpha` > 0 the cache
-    holds the prompt with that share of its video pruned, at the kept tokens' own positions."""
+    holds the prompt with that share of its video pruned, at the kept tokens' own positions.
+    peer: a bench.peer.PeerDecoder of this model, timed at the same context last."""
     device = lm.device
     n_frames, hw = frames_for(lm, n_video)
     layout = lm.layout(PROMPT, n_frames, hw, lm.fps or 2.0)
@@ -105,11 +110,18 @@ def measure(lm, n_video: int, *, steps: int, repeats: int, ks: tuple[int, ...], 
     floor_ms = 1000 * step_bytes(lm, cache) / copy_bandwidth(device, repeats)
     main = paths[-1]
     head = sparrow_costs(lm, cache, layout, token, position, repeats, **sparrow) if sparrow else None
+    peer_ms = None
+    if peer is not None:
+        del cache                                   # the peer's static cache takes its place in memory
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+        peer_ms = peer.step_ms(layout.length, steps)
     return {"sparrow": head, "n_video": layout.n_video, "alpha": alpha, "cached": embeds.shape[0], "context": layout.length,
             "n_frames": n_frames, "frame_hw": list(hw),
             "encode_s": encode_s, "prefill_s": statistics.median(prefills), "path": main,
             "step_ms": step_ms[main], "verify_ms": verify_ms[main], "floor_ms": floor_ms,
-            "step_ms_by_path": step_ms, "verify_ms_by_path": verify_ms, "peak_gib": peak}
+            "step_ms_by_path": step_ms, "verify_ms_by_path": verify_ms, "peak_gib": peak,
+            "peer_step_ms": peer_ms, "peer_mode": peer.mode if peer is not None else None}
 
 
 def _steps(lm, cache, layout, token: int, position: int, steps: int) -> tuple[float, int, int]:
@@ -221,7 +233,9 @@ def label(n: int, alpha: float) -> str:
 
 def run_benchmark(models, contexts, *, device="cuda", dtype="bfloat16", attn="sdpa", steps=32, repeats=2,
                   ks=(2, 4, 8, 16), pair=None, alphas=(0.0, 0.5, 0.9), gamma=8, paths=None, sparrow: dict | None = None,
-                  taus=(2.5, 3.0, 4.5), out: Path | None = None) -> dict:
+                  taus=(2.5, 3.0, 4.5), peer: str | None = None, out: Path | None = None) -> dict:
+    """peer: None, or the compile mode of transformers' static-cache decoder timed beside each
+    model's paths (bench.peer: "auto", "off", "default", "reduce-overhead")."""
     contexts = sorted(set(contexts))
     plan = {m: [(n, 0.0) for n in contexts] for m in models}
     if pair:
@@ -238,18 +252,24 @@ def run_benchmark(models, contexts, *, device="cuda", dtype="bfloat16", attn="sd
         entry = {"parameters": sum(p.numel() for p in lm.model.parameters()), "load_s": load_s,
                  "layers": lm.n_layers, "contexts": {}}
         measure(lm, contexts[0], steps=2, repeats=1, ks=ks[:1], paths=paths)   # kernels, allocator, cuBLAS handles
+        peer_decoder = None
+        if peer is not None and lm.lean is not None:
+            from bench.peer import PeerDecoder
+
+            peer_decoder = PeerDecoder(lm, compile=peer)
         for n, alpha in model_plan:
             bar.set_postfix_str(f"{path.removeprefix('random:')} {label(n, alpha)}")
             try:
                 entry["contexts"][label(n, alpha)] = measure(lm, n, steps=steps, repeats=repeats, ks=ks, alpha=alpha,
-                                                             paths=paths, sparrow=sparrow if not alpha else None)
+                                                             paths=paths, sparrow=sparrow if not alpha else None,
+                                                             peer=peer_decoder if not alpha else None)
             except torch.OutOfMemoryError as e:
                 entry["contexts"][label(n, alpha)] = {"error": "out of memory: " + str(e).splitlines()[0]}
             if on_gpu:
                 torch.cuda.empty_cache()
             bar.update()
         results["models"][path] = entry
-        del lm
+        del lm, peer_decoder
         if on_gpu:
             torch.cuda.empty_cache()
     bar.close()
@@ -302,21 +322,23 @@ def markdown(results: dict) -> str:
     lines = [f"device {results['device']}, {results['dtype']}, attention {results['attn_implementation']}, "
              f"torch {results['torch']}", "",
              f"decode ms/token by path ({', '.join(results['paths'])}); verify and Tp on the last; floor: the bytes "
-             "a step reads (weights, cache) over the device's copy bandwidth", "",
+             "a step reads (weights, cache) over the device's copy bandwidth; peer: transformers' Qwen2 decoder "
+             "of the same shape and weights, static cache, torch.compile (bench/peer.py)", "",
              "| model | params (B) | video tokens | cached | encode s | prefill s | decode ms/token | floor ms | "
-             "verify k ms | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "peer ms/token | verify k ms | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for path, entry in results["models"].items():
         for n, r in entry["contexts"].items():
             name = path.removeprefix("random:")
             if "error" in r:
-                lines.append(f"| {name} | {entry['parameters'] / 1e9:.2f} | {n} | – | – | – | – | – | {r['error']} | – |")
+                lines.append(f"| {name} | {entry['parameters'] / 1e9:.2f} | {n} | – | – | – | – | – | – | {r['error']} | – |")
                 continue
             verify = ", ".join(f"{k}: {v:.1f}" for k, v in r["verify_ms"].items())
             peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "–"
             steps = " / ".join(f"{v:.2f}" for v in r["step_ms_by_path"].values())
+            peer = f"{r['peer_step_ms']:.2f} ({r['peer_mode']})" if r.get("peer_step_ms") is not None else "–"
             lines.append(f"| {name} | {entry['parameters'] / 1e9:.2f} | {n} | {r['cached']} | {r['encode_s']:.3f} | "
-                         f"{r['prefill_s']:.3f} | {steps} | {r['floor_ms']:.2f} | {verify} | {peak} |")
+                         f"{r['prefill_s']:.3f} | {steps} | {r['floor_ms']:.2f} | {peer} | {verify} | {peak} |")
     if results.get("speculative"):
         lines += ["", "| video tokens | α | draft caches | Tp ms | target step ms | Tq(α) ms | c* = Tp/Tq | "
                   "τ̂·c* at τ̂ 0.5 / 0.7 / 0.9 |", "|---|---|---|---|---|---|---|---|"]
@@ -395,6 +417,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tree", nargs=3, type=int, default=[30, 4, 8], metavar=("TOTAL", "DEPTH", "TOPK"))
     parser.add_argument("--tau", nargs="+", type=float, default=[2.5, 3.0, 4.5],
                         help="tokens per round to project Sparrow's speedup at (the toy's measured M)")
+    parser.add_argument("--peer", nargs="?", const="auto", choices=("auto", "off", "default", "reduce-overhead"),
+                        help="also time transformers' static-cache decoder of each model's shape (compile mode; "
+                             "auto: reduce-overhead on CUDA, default on the CPU)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if torch.device(args.device).type != "cuda":
@@ -405,7 +430,7 @@ def main(argv=None) -> None:
                             steps=args.steps, repeats=args.repeats, ks=ks, pair=args.pair, alphas=args.alphas,
                             gamma=args.gamma, paths=args.paths,
                             sparrow=dict(zip(("total", "depth", "topk"), args.tree)) if args.sparrow else None,
-                            taus=tuple(args.tau), out=out)
+                            taus=tuple(args.tau), peer=args.peer, out=out)
     print(markdown(results))
     print(f"written to {out}")
 

@@ -43,6 +43,14 @@ def test_a_run_times_every_context_and_builds_the_speculative_table(tmp_path):
     assert (tmp_path / "realsize.png").stat().st_size > 0
 
 
+def test_the_peer_is_timed_beside_each_context(tmp_path):
+    results = run_benchmark([SMALLER], [256], device="cpu", dtype="float32", steps=2, repeats=1, ks=(2,), peer="off",
+                            out=tmp_path)
+    (row,) = results["models"][SMALLER]["contexts"].values()
+    assert row["peer_step_ms"] > 0 and row["peer_mode"] == "off"
+    assert "peer ms/token" in (tmp_path / "table.md").read_text()
+
+
 def test_sparrow_costs_and_the_projection(tmp_path):
     results = run_benchmark([SMALLER], [256], device="cpu", dtype="float32", steps=2, repeats=1, ks=(2,),
                             sparrow={"total": 10, "depth": 3, "topk": 3}, taus=(2.0, 4.0), out=tmp_path)
