@@ -48,12 +48,15 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
     and warmed here, before any request), or "auto": whichever of "off" and "default" measures
     faster on this device (measured once, then remembered: models.compiled_step.choose_mode)."""
     from models.compiled_step import SETTINGS, CompiledStep, choose_mode
+    from models.layout import input_major
 
     if compile not in SETTINGS:
         raise ModelError(f"compile={compile!r}: use one of {', '.join(SETTINGS)}")
     if compile != "off" and not lean:
         raise ModelError("compile needs the lean path (lean: true): it compiles the lean step")
     lm = _load(path, dtype=dtype, device=device, attn_implementation=attn_implementation, name=name)
+    if lm.device.type == "cpu":
+        input_major(lm.text, lm.lm_head)       # the CPU's few-row products run faster so (models.layout)
     if not lean:
         lm.lean = None
     elif compile != "off" and lm.lean is not None:
@@ -72,8 +75,17 @@ def _machine_key(path: str, lm) -> str:
     if lm.device.type == "cuda":
         where = torch.cuda.get_device_name(lm.device)
     else:
-        where = f"{platform.machine()} {platform.processor() or ''}".strip() + f", {torch.get_num_threads()} threads"
+        where = f"{_cpu_name() or platform.machine()}, {torch.get_num_threads()} threads"
     return f"{resolve(path)} | {lm.dtype} | {where} | torch {torch.__version__}"
+
+
+def _cpu_name() -> str | None:
+    """The CPU's model name where Linux says it (/proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
 
 
 def _load(path: str, *, dtype: str, device: str, attn_implementation: str, name: str | None):
