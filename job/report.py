@@ -131,7 +131,9 @@ def write_metrics(cfg: DictConfig, run_dir: Path, plan: Plan, per_run: list[dict
         "video": m0.get("video"),
         "runner": plan.runner,
         "setup_s": round(setup_s, 6),
-        "compile": {"seconds": round(sum(c["seconds"] for c in compiles or []), 3), "what": compiles or []},
+        # null where the compiles happened in other processes (Ray workers), which this one cannot see
+        "compile": None if compiles is None else {"seconds": round(sum(c["seconds"] for c in compiles), 3),
+                                                  "what": compiles},
         "warmup_runs": warmup,
         **{k: v for k, v in m0.items() if k != "request"},
         "memory": peak_memory(),

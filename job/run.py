@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from graph.executor import Executor, RunResult
 from job.prepare import graph_ports, prepare
 from job.report import run_metrics, write_metrics, write_trace_files
-from models.compiled_step import compile_records
+from models.compiling import compile_records
 
 log = logging.getLogger(__name__)
 

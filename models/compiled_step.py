@@ -24,34 +24,13 @@ compile); inductor's on-disk cache spares later processes most of the compile ti
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import statistics
-import threading
 import time
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger("reelflow.models")
-_RECORDS: list[dict] = []          # what this process compiled: {what, mode, seconds, at}
-_RECORDS_LOCK = threading.Lock()
+from models.compiling import call_at_warmed_threads, record_compile, set_threads, thread_counts
 
-
-def record_compile(what: str, mode: str, seconds: float) -> None:
-    """Note a compile (its warm-up calls) for the run's metrics and plan.txt (compile_records)."""
-    with _RECORDS_LOCK:
-        _RECORDS.append({"what": what, "mode": mode, "seconds": round(seconds, 3), "at": time.time()})
-    log.info("compiled %s (%s) in %.1f s", what, mode, seconds)
-
-
-def compile_records(since: float = 0.0) -> list[dict]:
-    """The compiles this process made since the time.time() `since`: {what, mode, seconds}."""
-    with _RECORDS_LOCK:
-        return [{k: r[k] for k in ("what", "mode", "seconds")} for r in _RECORDS if r["at"] >= since]
-
-MODES = ("off", "default", "max-autotune-no-cudagraphs")   # model.<role>.compile, besides "auto" (choose_mode)
+MODES = ("off", "default", "max-autotune-no-cudagraphs")   # model.<role>.compile, besides "auto" (compile_auto)
 SETTINGS = ("auto",) + MODES
 
 
@@ -91,30 +70,6 @@ def layers_step(lean, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return hidden, torch.stack(new_k), torch.stack(new_v)
 
 
-def thread_counts(device) -> tuple[int, ...]:
-    """The torch thread counts a compiled function is warmed for: the one set now and, on the CPU,
-    every core of the process (an elastic pool, graph.pools, moves a worker between the two).
-    torch.compile guards on the thread count: a call at a count it has not seen compiles again."""
-    now = torch.get_num_threads()
-    if torch.device(device).type != "cpu":
-        return (now,)
-    return tuple(sorted({now, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}))
-
-
-def call_at_warmed_threads(fn, counts: tuple[int, ...], *args, **kwargs):
-    """fn(*args, **kwargs) at the largest warmed thread count not above the current one (the
-    smallest when all are above), so that a compiled function is never compiled again mid-run."""
-    now = torch.get_num_threads()
-    use = max((c for c in counts if c <= now), default=counts[0])
-    if use == now:
-        return fn(*args, **kwargs)
-    torch.set_num_threads(use)
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        torch.set_num_threads(now)
-
-
 class CompiledStep:
     """layers_step for one LeanDecoder, through torch.compile in `mode` (MODES, "off" excluded)."""
 
@@ -141,80 +96,14 @@ class CompiledStep:
                                for _ in lean.layers] for _ in range(2))
         try:
             for threads in self.threads:
-                torch.set_num_threads(threads)
+                set_threads(threads)
                 for n in (1, 2):
                     self._fn(lean, torch.zeros(n, hidden, device=device, dtype=dtype),
                              torch.ones(n, lean.head_dim, device=device, dtype=dtype),
                              torch.zeros(n, lean.head_dim, device=device, dtype=dtype), prefix_k, prefix_v,
                              torch.ones(n, n, dtype=torch.bool, device=device).tril())
         finally:
-            torch.set_num_threads(now)
+            set_threads(now)
         seconds = time.perf_counter() - t0
         record_compile(f"{name} lean step, {'/'.join(map(str, self.threads))} threads", self.mode, seconds)
         return seconds
-
-
-# ---------------------------------------------------------------------------- compile: auto
-
-CHOICES_FILE = "compile-choices.json"       # under the cache dir: what `auto` chose per model and device
-
-
-def cache_dir() -> Path:
-    """reelflow's own cache ($REELFLOW_CACHE, else ~/.cache/reelflow)."""
-    return Path(os.environ.get("REELFLOW_CACHE") or Path.home() / ".cache" / "reelflow")
-
-
-def choose_mode(lm, key: str, *, cached: int = 1024, rounds: int = 20) -> str:
-    """`compile: auto`: "default" or "off", whichever steps faster for `lm` on its device, measured
-    once (one-token steps and 8-token verifications over a `cached`-entry cache, the two paths
-    interleaved, medians) and remembered in the cache dir under `key` (model, dtype, device, torch
-    version), so later runs only read the choice."""
-    where = cache_dir() / CHOICES_FILE
-    try:
-        choices = json.loads(where.read_text())
-    except (OSError, ValueError):
-        choices = {}
-    if key in choices:
-        return choices[key]["mode"]
-    timings = measure_modes(lm, cached=cached, rounds=rounds)
-    mode = min(timings, key=timings.get)
-    choices[key] = {"mode": mode, "ms": {m: round(t, 3) for m, t in timings.items()}, "cached": cached}
-    try:
-        where.parent.mkdir(parents=True, exist_ok=True)
-        tmp = where.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(choices, indent=1))
-        tmp.replace(where)
-    except OSError as e:                       # a read-only home: choose again next time
-        log.warning("compile auto: could not remember the choice in %s (%s)", where, e)
-    log.info("compile auto for %s: %s (a step and an 8-token verification, ms: %s)", key, mode,
-             ", ".join(f"{m} {t:.2f}" for m, t in timings.items()))
-    return mode
-
-
-@torch.inference_mode()
-def measure_modes(lm, *, cached: int, rounds: int) -> dict[str, float]:
-    """Milliseconds of a one-token step plus an 8-token verification over a `cached`-entry cache
-    of random states, eager ("off") and compiled ("default"), interleaved call by call."""
-    from models.cache import growing_cache
-
-    lean = lm.lean
-    compiled = CompiledStep(lean, "default")
-    compiled.warm(lm.device, lm.dtype, name=f"{lm.name} (auto)")
-    g = torch.Generator(device="cpu").manual_seed(0)
-    hidden = lean.layers[0].q.shape[1]
-    cache = growing_cache(lm.text_config)
-    lean.forward(cache, torch.randn(cached, hidden, generator=g).to(lm.device, lm.dtype), torch.arange(cached))
-    times: dict[str, list[float]] = {"off": [], "default": []}
-    for _ in range(rounds + 2):
-        for mode in times:
-            lean.step = compiled if mode == "default" else None
-            t0 = time.perf_counter()
-            for n in (1, 8):
-                lean.forward(cache, torch.randn(n, hidden, generator=g).to(lm.device, lm.dtype),
-                             torch.arange(cached, cached + n))
-                cache.crop(-n)                 # transformers 5: a negative count of entries to drop
-            if lm.device.type == "cuda":
-                torch.cuda.synchronize(lm.device)
-            times[mode].append(time.perf_counter() - t0)
-    lean.step = None
-    return {mode: 1000 * statistics.median(t[2:]) for mode, t in times.items()}

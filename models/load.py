@@ -46,8 +46,9 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
     take models.lean's path over the model's weights (False: the model's own forward). compile:
     "off", a torch.compile mode for the lean path's steps (models.compiled_step.MODES, compiled
     and warmed here, before any request), or "auto": whichever of "off" and "default" measures
-    faster on this device (measured once, then remembered: models.compiled_step.choose_mode)."""
-    from models.compiled_step import SETTINGS, CompiledStep, choose_mode
+    faster on this device (measured once, then remembered: models.compile_auto)."""
+    from models.compile_auto import choose_mode
+    from models.compiled_step import SETTINGS, CompiledStep
     from models.layout import input_major
 
     if compile not in SETTINGS:

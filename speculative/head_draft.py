@@ -13,7 +13,7 @@ A round:
    the token before it; the last row's output predicts the next token;
 2. draft a tree (EAGLE-2's dynamic tree, `draft_tree`): expand the `topk` best frontier nodes by
    cumulative log-probability, `topk` children each, for `depth` levels, then keep the `total` best
-   nodes overall (speculative.tree); the drafted rows are dropped from the head's cache afterwards.
+   nodes overall (speculative.tree); the drafted rows attend to the head's cache without joining it.
    `tree=False` drafts a chain of `depth` tokens instead (the head's argmax), an ablation.
 """
 
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from models.compiled_step import call_at_warmed_threads, record_compile, thread_counts
+from models.compiling import call_at_warmed_threads, record_compile, set_threads, thread_counts
 from models.sparrow import HeadCache, SparrowHead
 from speculative.protocol import DraftInfo, Proposal, Timer, Verdict
 from speculative.tree import best_subtree, chain_parents, to_expand, tree_depths
@@ -87,11 +87,13 @@ def draft_tree(head: SparrowHead, lm, cache: HeadCache, top: torch.Tensor, posit
     # same layout (no storage offset) whichever row it was
     tokens, parents, scores = grow(head, lm, cache.keys, cache.values, top.clone(), position, depth=depth,
                                    topk=topk, vocab=vocab)
+    # the reranking and everything after it run on the host, as the verifier's tree code does
+    tokens, parents, scores = tokens.cpu(), parents.cpu(), scores.cpu()
     kept, kept_parents = best_subtree(parents, scores, total)
     return tokens[kept], kept_parents, {"nodes": int(kept.shape[0]), "depth": int(tree_depths(kept_parents).max()) + 1}
 
 
-_COMPILED: dict[str, object] = {}
+_COMPILED: dict[tuple, object] = {}       # (mode, thread counts) -> grow_tree compiled, called at those counts
 
 
 def grower(mode: str, device="cpu"):
@@ -101,10 +103,11 @@ def grower(mode: str, device="cpu"):
     compile that serves every cache length and position."""
     if mode == "off":
         return grow_tree
-    if mode not in _COMPILED:
+    key = (mode, thread_counts(device))
+    if key not in _COMPILED:
         compiled = torch.compile(grow_tree, dynamic=True, mode=None if mode == "default" else mode)
-        _COMPILED[mode] = functools.partial(call_at_warmed_threads, compiled, thread_counts(device))
-    return _COMPILED[mode]
+        _COMPILED[key] = functools.partial(call_at_warmed_threads, compiled, key[1])
+    return _COMPILED[key]
 
 
 @torch.inference_mode()
@@ -120,10 +123,10 @@ def warm_tree(head: SparrowHead, lm, *, total: int, depth: int, topk: int) -> fl
     counts = thread_counts(lm.device)
     try:
         for threads in counts:
-            torch.set_num_threads(threads)
+            set_threads(threads)
             draft_tree(head, lm, cache, top, 3, total=total, depth=depth, topk=topk, vocab=lm.vocabulary, grow=grow)
     finally:
-        torch.set_num_threads(now)
+        set_threads(now)
     seconds = time.perf_counter() - t0
     record_compile(f"sparrow tree {total}-{depth}-{topk}, {'/'.join(map(str, counts))} threads", lm.compile, seconds)
     return seconds

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.compiled_step import compile_records, split_attention
+from models.compiled_step import split_attention
+from models.compiling import compile_records
 from models.decoding import greedy, prefill_video
 from models.load import ModelError, load_model
 from speculative.tree import bushy_tree, tree_depths, tree_mask
@@ -83,11 +84,11 @@ def test_auto_measures_once_then_reads_its_choice(tmp_path, monkeypatch):
     second load reads the choice and measures nothing."""
     import json
 
-    from models import compiled_step
+    from models import compile_auto
 
     monkeypatch.setenv("REELFLOW_CACHE", str(tmp_path))
     lm = load_model(TARGET, compile="auto")
-    (key, choice), = json.loads((tmp_path / compiled_step.CHOICES_FILE).read_text()).items()
+    (key, choice), = json.loads((tmp_path / compile_auto.CHOICES_FILE).read_text()).items()
     assert "qwen-target" in key and set(choice["ms"]) == {"off", "default"}
     assert lm.compile == choice["mode"] == min(choice["ms"], key=choice["ms"].get)
     assert (lm.lean.step is None) == (lm.compile == "off")
@@ -95,5 +96,5 @@ def test_auto_measures_once_then_reads_its_choice(tmp_path, monkeypatch):
     def measured_again(*a, **k):
         raise AssertionError("auto measured a second time")
 
-    monkeypatch.setattr(compiled_step, "measure_modes", measured_again)
+    monkeypatch.setattr(compile_auto, "measure_modes", measured_again)
     assert load_model(TARGET, compile="auto").compile == choice["mode"]

@@ -1,0 +1,86 @@
+"""`compile: auto`: whichever of the eager lean path and the compiled one steps faster for a model
+on this machine, measured once and remembered.
+
+    mode = choose_mode(lm, key)        # "default" or "off"; key: checkpoint, dtype, device, threads, torch
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from models.compiled_step import CompiledStep
+
+log = logging.getLogger("reelflow.models")
+
+CHOICES_FILE = "compile-choices.json"       # under the cache dir: what `auto` chose per model and device
+
+
+def cache_dir() -> Path:
+    """reelflow's own cache ($REELFLOW_CACHE, else ~/.cache/reelflow)."""
+    return Path(os.environ.get("REELFLOW_CACHE") or Path.home() / ".cache" / "reelflow")
+
+
+def choose_mode(lm, key: str, *, cached: int = 1024, rounds: int = 20) -> str:
+    """`compile: auto`: "default" or "off", whichever steps faster for `lm` on its device, measured
+    once (one-token steps and 8-token verifications over a `cached`-entry cache, the two paths
+    interleaved, medians) and remembered in the cache dir under `key` (model, dtype, device, torch
+    version), so later runs only read the choice."""
+    where = cache_dir() / CHOICES_FILE
+    try:
+        choices = json.loads(where.read_text())
+    except (OSError, ValueError):
+        choices = {}
+    if key in choices:
+        return choices[key]["mode"]
+    timings = measure_modes(lm, cached=cached, rounds=rounds)
+    mode = min(timings, key=timings.get)
+    choices[key] = {"mode": mode, "ms": {m: round(t, 3) for m, t in timings.items()}, "cached": cached}
+    tmp = where.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(choices, indent=1))
+        tmp.replace(where)            # atomic; of two processes measuring at once, one's choice is kept
+    except OSError as e:                       # a read-only home: choose again next time
+        tmp.unlink(missing_ok=True)
+        log.warning("compile auto: could not remember the choice in %s (%s)", where, e)
+    log.info("compile auto for %s: %s (a step and an 8-token verification, ms: %s)", key, mode,
+             ", ".join(f"{m} {t:.2f}" for m, t in timings.items()))
+    return mode
+
+
+@torch.inference_mode()
+def measure_modes(lm, *, cached: int, rounds: int) -> dict[str, float]:
+    """Milliseconds of a one-token step plus an 8-token verification over a `cached`-entry cache
+    of random states, eager ("off") and compiled ("default"), interleaved call by call."""
+    from models.cache import growing_cache
+
+    lean = lm.lean
+    compiled = CompiledStep(lean, "default")
+    compiled.warm(lm.device, lm.dtype, name=f"{lm.name} (auto)")   # the step load_model then builds reuses it
+    g = torch.Generator(device="cpu").manual_seed(0)
+    hidden = lean.layers[0].q.shape[1]
+    cache = growing_cache(lm.text_config)
+    lean.forward(cache, torch.randn(cached, hidden, generator=g).to(lm.device, lm.dtype), torch.arange(cached))
+    times: dict[str, list[float]] = {"off": [], "default": []}
+    try:
+        for _ in range(rounds + 2):           # both paths call by call; the first two rounds untimed
+            for mode in times:
+                lean.step = compiled if mode == "default" else None
+                t0 = time.perf_counter()
+                for n in (1, 8):              # a step, an 8-token verification, each rolled back
+                    lean.forward(cache, torch.randn(n, hidden, generator=g).to(lm.device, lm.dtype),
+                                 torch.arange(cached, cached + n))
+                    cache.crop(-n)            # transformers 5: a negative count of entries to drop
+                if lm.device.type == "cuda":
+                    torch.cuda.synchronize(lm.device)
+                times[mode].append(time.perf_counter() - t0)
+    finally:
+        lean.step = None
+    return {mode: 1000 * statistics.median(t[2:]) for mode, t in times.items()}

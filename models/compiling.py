@@ -1,0 +1,72 @@
+"""What every compiled function of reelflow shares: the thread counts it is compiled for, and the
+record of what was compiled and how long it took.
+
+torch.compile guards on `torch.get_num_threads()`: a call at a thread count the function has not
+seen compiles it again, for seconds, in the middle of a request. An elastic pool (graph.pools)
+moves a worker's thread count between its own share and every core, so a compiled function is
+warmed at both (thread_counts) and called at the largest warmed count not above the current one
+(call_at_warmed_threads). What was compiled, and its seconds, go to the run's plan.txt and
+metrics.json (compile_records).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import torch
+
+log = logging.getLogger("reelflow.models")
+_RECORDS: list[dict] = []          # what this process compiled: {what, mode, seconds, at}
+_RECORDS_LOCK = threading.Lock()
+
+
+def record_compile(what: str, mode: str, seconds: float) -> None:
+    """Note a compile (its warm-up calls) for the run's metrics and plan.txt (compile_records)."""
+    with _RECORDS_LOCK:
+        _RECORDS.append({"what": what, "mode": mode, "seconds": round(seconds, 3), "at": time.time()})
+    log.info("compiled %s (%s) in %.1f s", what, mode, seconds)
+
+
+def compile_records(since: float = 0.0) -> list[dict]:
+    """The compiles this process made since the time.time() `since`: {what, mode, seconds}. A model
+    in a pool of its own process (`kind: process`) or on a Ray worker compiles there, not here."""
+    with _RECORDS_LOCK:
+        return [{k: r[k] for k in ("what", "mode", "seconds")} for r in _RECORDS if r["at"] >= since]
+
+
+# torch's thread settings, one thread at a time (the engine's workers take their own lock for theirs)
+_THREADS_LOCK = threading.Lock()
+
+
+def set_threads(n: int) -> None:
+    with _THREADS_LOCK:
+        torch.set_num_threads(n)
+
+
+def thread_counts(device) -> tuple[int, ...]:
+    """The torch thread counts a compiled function is warmed for: the one set now and, on the CPU,
+    every core of the process: the two counts an elastic pool gives a worker when the other
+    workers are busy and when they are idle (in between, with three or more workers, the call
+    runs at the lower one)."""
+    now = torch.get_num_threads()
+    if torch.device(device).type != "cpu":
+        return (now,)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return tuple(sorted({now, cores}))
+
+
+def call_at_warmed_threads(fn, counts: tuple[int, ...], *args, **kwargs):
+    """fn(*args, **kwargs) at the largest warmed thread count not above the current one (the
+    smallest when all are above), so that a compiled function is never compiled again mid-run."""
+    now = torch.get_num_threads()
+    use = max((c for c in counts if c <= now), default=counts[0])
+    if use == now:
+        return fn(*args, **kwargs)
+    set_threads(use)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        set_threads(now)
