@@ -131,23 +131,30 @@ def test_a_killed_worker_is_replaced_and_every_result_is_there(manifests, tmp_pa
 
 def test_ctrl_c_leaves_nothing_and_the_resumed_run_loses_and_repeats_nothing(manifests, tmp_path, nothing_left):
     good, _, local = manifests
-    args = ["data=manifest", f"data.manifest={good}", "cluster=ray", "cluster.workers=1", f"hydra.run.dir={tmp_path}"]
+    # the 6 videos five times over: a toy request takes ~50 ms, and the Ctrl-C must land while
+    # requests are still to come, not after the last
+    rows = [json.loads(line) for line in good.read_text().splitlines()]
+    n = 5 * len(rows)
+    many = tmp_path / "many.jsonl"
+    many.write_text("".join(json.dumps({**r, "id": f"{r['id']}-{k}"}) + "\n" for k in range(5) for r in rows))
+    run_dir = tmp_path / "run"
+    args = ["data=manifest", f"data.manifest={many}", "cluster=ray", "cluster.workers=1", f"hydra.run.dir={run_dir}"]
     proc = start(args)
-    wait_for_results(proc, tmp_path, 2)
+    wait_for_results(proc, run_dir, 2)
     os.killpg(proc.pid, signal.SIGINT)            # Ctrl-C at a terminal: the whole foreground group
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "interrupted" in err
-    before = results(tmp_path)
-    assert 2 <= len(before) < 6 and all(r["status"] == "ok" for r in before)
+    before = results(run_dir)
+    assert 2 <= len(before) < n and all(r["status"] == "ok" for r in before)
     resumed = run(*args, "cluster.resume=true")
     assert resumed.returncode == 0, resumed.stderr
-    after = results(tmp_path)
+    after = results(run_dir)
     assert after[:len(before)] == before                                          # kept as they were
-    assert sorted(r["index"] for r in after) == list(range(6))                    # each once: none repeated
-    assert tokens(tmp_path) == local
-    metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["cluster"]["requests"] == 6 - len(before) and len(metrics["runs"]) == 6
+    assert sorted(r["index"] for r in after) == list(range(n))                    # each once: none repeated
+    assert tokens(run_dir) == {f"{r}-{k}": local[r] for k in range(5) for r in local}
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["cluster"]["requests"] == n - len(before) and len(metrics["runs"]) == n
 
 
 def test_a_worker_that_cannot_set_up_stops_the_run_with_its_reason(tmp_path, nothing_left):
