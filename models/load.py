@@ -49,15 +49,12 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
     faster on this device (measured once, then remembered: models.compile_auto)."""
     from models.compile_auto import choose_mode
     from models.compiled_step import SETTINGS, CompiledStep
-    from models.layout import input_major
 
     if compile not in SETTINGS:
         raise ModelError(f"compile={compile!r}: use one of {', '.join(SETTINGS)}")
     if compile != "off" and not lean:
         raise ModelError("compile needs the lean path (lean: true): it compiles the lean step")
     lm = _load(path, dtype=dtype, device=device, attn_implementation=attn_implementation, name=name)
-    if lm.device.type == "cpu":
-        input_major(lm.text, lm.lm_head)       # the CPU's few-row products run faster so (models.layout)
     if not lean:
         lm.lean = None
     elif compile != "off" and lm.lean is not None:

@@ -42,7 +42,6 @@ from torch import nn
 
 from models.attention import grouped_attention
 from models.compiled_step import split_attention
-from models.layout import input_major
 from models.lean import rms_norm, rotate
 
 CONFIG_FILE, WEIGHTS_FILE = "sparrow.json", "head.safetensors"
@@ -199,7 +198,4 @@ class SparrowHead(nn.Module):
                              f"{lm.vocab_size}")
         head = cls(config)
         head.load_state_dict({k: v.float() for k, v in load_file(str(where / WEIGHTS_FILE)).items()})
-        head = head.to(lm.device, lm.dtype).eval()
-        if head.fc.weight.device.type == "cpu":
-            input_major(head)                  # as the target's (models.layout)
-        return head
+        return head.to(lm.device, lm.dtype).eval()

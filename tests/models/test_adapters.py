@@ -223,3 +223,13 @@ def test_attention_scores_of_a_span_match_the_models_own_attentions(lm, video):
         want = ref[layer - 1][0].mean(0)[end:]                   # [n_span, L]
         torch.testing.assert_close(scores[layer], want, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(scores[layer].sum(-1), torch.ones(layout.length - end))
+
+
+def test_a_loaded_model_saves_as_transformers_saves_it_and_loads_back_the_same(tmp_path):
+    """load_model leaves the weights as transformers laid them out: save_pretrained works on the
+    loaded model (non-contiguous parameters break it) and the saved checkpoint loads back equal."""
+    lm = load_model("zoo/weights/qwen-draft", compile="off")
+    lm.model.save_pretrained(tmp_path)
+    again = load_model(str(tmp_path))
+    for (name, mine), (_, theirs) in zip(lm.model.state_dict().items(), again.model.state_dict().items()):
+        assert torch.equal(mine, theirs), name
