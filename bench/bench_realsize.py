@@ -109,7 +109,10 @@ def measure(lm, n_video: int, *, steps: int, repeats: int, ks: tuple[int, ...], 
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if torch.device(device).type == "cuda" else None
     floor_ms = 1000 * step_bytes(lm, cache) / copy_bandwidth(device, repeats)
     main = paths[-1]
-    head = sparrow_costs(lm, cache, layout, token, position, repeats, **sparrow) if sparrow else None
+    head = None
+    if sparrow:
+        with decode_path(lm, main):
+            head = sparrow_costs(lm, cache, layout, token, position, repeats, **sparrow)
     peer_ms = None
     if peer is not None:
         del cache                                   # the peer's static cache takes its place in memory
@@ -161,8 +164,9 @@ def sparrow_costs(lm, cache, layout, token: int, position: int, repeats: int, *,
     cache of `text` tokens (VATA: it does not grow with the video) takes one step (a catch-up row)
     and drafts a `total`-`depth`-`topk` dynamic tree; the target verifies a tree of `total` nodes
     over its whole cache. Medians of `repeats` + 1 (the first untimed)."""
+    from models.compiled_step import uncaptured_mode
     from models.sparrow import HeadCache, SparrowConfig, SparrowHead
-    from speculative.head_draft import draft_tree
+    from speculative.head_draft import draft_tree, grower, warm_tree
     from speculative.tree import bushy_tree, tree_depths, tree_mask
 
     torch.manual_seed(0)
@@ -175,8 +179,12 @@ def sparrow_costs(lm, cache, layout, token: int, position: int, repeats: int, *,
         head(head_cache, z[text:], torch.tensor([text]))
         head_cache.crop(text)
 
+    warm_tree(head, lm, total=total, depth=depth, topk=topk)       # the head's tree compiled as the path's steps are
+    grow = grower(uncaptured_mode(lm.compile), lm.device)
+
     def tree():
-        draft_tree(head, lm, head_cache, top, text, total=total, depth=depth, topk=topk, vocab=lm.vocabulary)
+        draft_tree(head, lm, head_cache, top, text, total=total, depth=depth, topk=topk, vocab=lm.vocabulary,
+                   grow=grow)
 
     ids, parents = torch.full((total,), token), bushy_tree(total, topk)
     mask, depths = tree_mask(parents), tree_depths(parents)
@@ -192,21 +200,38 @@ def sparrow_costs(lm, cache, layout, token: int, position: int, repeats: int, *,
     return {"shape": f"{total}-{depth}-{topk}", "text_tokens": text, **timed}
 
 
+PATHS = ("forward", "lean", "compiled", "cudagraph", "reduce-overhead")
+
+
 @contextlib.contextmanager
 def decode_path(lm, path: str):
     """Score through `path` inside the block: "forward" (the model's own), "lean" (models.lean,
-    eager)."""
-    saved = lm.lean
+    eager), "compiled" (its step through inductor), "cudagraph" or "reduce-overhead" (captured as
+    CUDA graphs, eager or inductor's kernels: models.captured_step). A compiled or captured step
+    is built and warmed on first use and kept on the model for the next context."""
+    if path not in PATHS:
+        raise ValueError(f"decode path {path!r}: one of {', '.join(PATHS)}")
+    saved, saved_step, saved_mode = lm.lean, lm.lean.step if lm.lean is not None else None, lm.compile
+    if path != "forward" and lm.lean is None:
+        raise ValueError(f"{lm.name}: no lean path for this model")
     if path == "forward":
         lm.lean = None
     elif path != "lean":
-        raise ValueError(f"decode path {path!r}: forward or lean")
-    elif lm.lean is None:
-        raise ValueError(f"{lm.name}: no lean path for this model")
+        from models.compiled_step import build_step
+
+        mode = "default" if path == "compiled" else path
+        steps = lm.__dict__.setdefault("_bench_steps", {})
+        if mode not in steps:
+            steps[mode] = build_step(lm.lean, mode)
+            steps[mode].warm(lm.device, lm.dtype, name=lm.name)
+        lm.lean.step, lm.compile = steps[mode], mode
     try:
         yield
     finally:
         lm.lean = saved
+        if saved is not None:
+            saved.step = saved_step
+        lm.compile = saved_mode
 
 
 def step_bytes(lm, cache) -> int:
@@ -409,9 +434,9 @@ def main(argv=None) -> None:
     parser.add_argument("--attn", default="sdpa")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--paths", nargs="+", choices=("forward", "lean"),
-                        help="decode paths to time (default: both on a GPU, lean on the CPU); "
-                             "verifications and Tp use the last")
+    parser.add_argument("--paths", nargs="+", choices=PATHS,
+                        help="decode paths to time (default: forward and lean on a GPU, lean on the CPU); "
+                             "verifications, Tp and Sparrow's round use the last")
     parser.add_argument("--sparrow", action="store_true",
                         help="also Sparrow's round: a head shaped for each model, its tree, the target's tree verification")
     parser.add_argument("--tree", nargs=3, type=int, default=[30, 4, 8], metavar=("TOTAL", "DEPTH", "TOPK"))

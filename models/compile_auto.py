@@ -1,7 +1,8 @@
-"""`compile: auto`: whichever of the eager lean path and the compiled one steps faster for a model
-on this machine, measured once and remembered.
+"""`compile: auto`: whichever of the eager lean path and the compiled ones steps fastest for a
+model on this machine, measured once and remembered. On the CPU the candidates are the eager path
+and inductor's default; on a GPU also the two CUDA-graph modes (models.captured_step).
 
-    mode = choose_mode(lm, key)        # "default" or "off"; key: checkpoint, dtype, device, threads, torch
+    mode = choose_mode(lm, key)        # e.g. "default" or "off"; key: checkpoint, dtype, device, threads, torch
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from models.compiled_step import CompiledStep
+from models.compiled_step import CAPTURED, build_step
 
 log = logging.getLogger("reelflow.models")
 
@@ -28,7 +29,7 @@ def cache_dir() -> Path:
 
 
 def choose_mode(lm, key: str, *, cached: int = 1024, rounds: int = 20) -> str:
-    """`compile: auto`: "default" or "off", whichever steps faster for `lm` on its device, measured
+    """`compile: auto`: the candidate (candidates()) that steps fastest for `lm` on its device, measured
     once (one-token steps and 8-token verifications over a `cached`-entry cache, the two paths
     interleaved, medians) and remembered in the cache dir under `key` (model, dtype, device, torch
     version), so later runs only read the choice."""
@@ -55,24 +56,31 @@ def choose_mode(lm, key: str, *, cached: int = 1024, rounds: int = 20) -> str:
     return mode
 
 
+def candidates(device) -> tuple[str, ...]:
+    """The settings `auto` chooses among on `device`."""
+    return ("off", "default") + (CAPTURED if torch.device(device).type == "cuda" else ())
+
+
 @torch.inference_mode()
 def measure_modes(lm, *, cached: int, rounds: int) -> dict[str, float]:
     """Milliseconds of a one-token step plus an 8-token verification over a `cached`-entry cache
-    of random states, eager ("off") and compiled ("default"), interleaved call by call."""
+    of random states, for each candidate setting, interleaved call by call."""
     from models.cache import growing_cache
 
     lean = lm.lean
-    compiled = CompiledStep(lean, "default")
-    compiled.warm(lm.device, lm.dtype, name=f"{lm.name} (auto)")   # the step load_model then builds reuses it
+    steps = {"off": None}
+    for mode in candidates(lm.device)[1:]:      # compiled here, the step load_model then builds reuses the compile
+        steps[mode] = build_step(lean, mode)
+        steps[mode].warm(lm.device, lm.dtype, name=f"{lm.name} (auto)")
     g = torch.Generator(device="cpu").manual_seed(0)
     hidden = lean.layers[0].q.shape[1]
     cache = growing_cache(lm.text_config)
     lean.forward(cache, torch.randn(cached, hidden, generator=g).to(lm.device, lm.dtype), torch.arange(cached))
-    times: dict[str, list[float]] = {"off": [], "default": []}
+    times: dict[str, list[float]] = {mode: [] for mode in steps}
     try:
         for _ in range(rounds + 2):           # both paths call by call; the first two rounds untimed
             for mode in times:
-                lean.step = compiled if mode == "default" else None
+                lean.step = steps[mode]
                 t0 = time.perf_counter()
                 for n in (1, 8):              # a step, an 8-token verification, each rolled back
                     lean.forward(cache, torch.randn(n, hidden, generator=g).to(lm.device, lm.dtype),

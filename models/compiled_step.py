@@ -31,20 +31,41 @@ import torch
 from models.compiling import call_at_warmed_threads, record_compile, set_threads, thread_counts
 
 MODES = ("off", "default", "max-autotune-no-cudagraphs")   # model.<role>.compile, besides "auto" (compile_auto)
-SETTINGS = ("auto",) + MODES
+CAPTURED = ("cudagraph", "reduce-overhead")                # CUDA graphs: models.captured_step
+SETTINGS = ("auto",) + MODES + CAPTURED
+
+
+def build_step(lean, mode: str):
+    """The step object for a compile setting other than "off" and "auto": a CompiledStep, or a
+    models.captured_step.CapturedStep for the CUDA-graph modes."""
+    if mode in CAPTURED:
+        from models.captured_step import CapturedStep
+
+        return CapturedStep(lean, mode)
+    return CompiledStep(lean, mode)
+
+
+def uncaptured_mode(mode: str) -> str:
+    """The torch.compile mode for functions that are compiled but not captured beside a step in
+    `mode` (the Sparrow head's tree, whose shapes follow its own cache): inductor's default for
+    the CUDA-graph modes."""
+    return "default" if mode in CAPTURED else mode
 
 
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    mask: torch.Tensor, scaling: float) -> torch.Tensor:
+                    mask: torch.Tensor, scaling: float, held: torch.Tensor | None = None) -> torch.Tensor:
     """q [H, n, hd]; k, v [KV, m, hd] (the new tokens', m ≥ n when rows drafted earlier come
-    first); keys, values [KV, L, hd] (the cached prefix, L ≥ 1, every entry seen); mask bool
-    [n, m]: which of the m each query sees (each sees at least itself). Heads grouped as
-    transformers' repeat_kv lays them out. -> [n, H * hd], softmax in float32."""
+    first); keys, values [KV, L, hd] (the cached prefix, L ≥ 1, every entry seen, or with `held`
+    bool [L] only those it marks: a fixed buffer whose tail is spare room); mask bool [n, m]:
+    which of the m each query sees (each sees at least itself). Heads grouped as transformers'
+    repeat_kv lays them out. -> [n, H * hd], softmax in float32."""
     heads, n, hd = q.shape
     kv, m = k.shape[0], k.shape[1]
     group = heads // kv
     qg = q.reshape(kv, group * n, hd)
     prefix = torch.matmul(qg, keys.transpose(-1, -2)).float() * scaling                  # [KV, G*n, L]
+    if held is not None:
+        prefix = prefix.masked_fill(~held, float("-inf"))
     new = (torch.matmul(qg, k.transpose(-1, -2)).float() * scaling).view(kv, group, n, m)
     new = new.masked_fill(~mask, float("-inf")).view(kv, group * n, m)                   # [KV, G*n, m]
     top = torch.maximum(prefix.amax(-1, keepdim=True), new.amax(-1, keepdim=True))     # [KV, G*n, 1]
@@ -82,6 +103,18 @@ class CompiledStep:
 
     def __call__(self, embeds, cos, sin, prefix_k, prefix_v, mask):
         return call_at_warmed_threads(self._fn, self.threads, self.lean, embeds, cos, sin, prefix_k, prefix_v, mask)
+
+    def run(self, cache, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            among: torch.Tensor) -> torch.Tensor:
+        """The n new tokens (embeds [n, hidden], rotary rows cos/sin [n, hd], among bool [n, n]) over
+        `cache`, read as each layer's prefix; their keys and values appended here, outside the
+        compiled function. -> hidden [n, hidden]."""
+        layers = cache.layers
+        hidden, new_k, new_v = self(embeds, cos, sin, [layer.keys[0] for layer in layers],
+                                    [layer.values[0] for layer in layers], among)
+        for layer, k, v in zip(layers, new_k, new_v):
+            layer.update(k[None], v[None])
+        return hidden
 
     @torch.inference_mode()
     def warm(self, device, dtype, name: str = "step") -> float:

@@ -81,7 +81,7 @@ class LeanDecoder:
         self.layers = [self._weights(layer) for layer in text_model.layers]
         self.final_norm = text_model.norm.weight
         self._cos = self._sin = None
-        self.step = None          # a models.compiled_step.CompiledStep when the model is loaded with compile
+        self.step = None          # models.compiled_step.CompiledStep or models.captured_step.CapturedStep (load_model)
 
     @classmethod
     def of(cls, text_model) -> LeanDecoder | None:
@@ -131,10 +131,22 @@ class LeanDecoder:
         """embeds [n, hidden] at 1-D rotary positions [n] after the cached entries of every layer;
         appends their keys and values to `cache`. mask: None (causal among the n) or bool [n, n]
         (row i sees column j among the new tokens; every cached entry is seen). Returns the
-        final-norm hidden states [n, hidden]."""
+        final-norm hidden states [n, hidden]. Through `step` when the model was loaded with one
+        (compiled or captured), else eager."""
+        if self.step is None:
+            return self.forward_eager(cache, embeds, positions, mask)
         n = embeds.shape[0]
-        if self.step is not None:
-            return self._compiled_forward(cache, embeds, positions, mask)
+        cos, sin = self._rotary(positions, embeds)
+        # made here, in inference mode, whatever mode the caller built it in: a compiled step is
+        # guarded on its inputs' dispatch keys and would compile again for a normal tensor
+        among = mask.clone() if mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+        return self.step.run(cache, embeds, cos, sin, among.to(embeds.device))
+
+    @torch.inference_mode()
+    def forward_eager(self, cache, embeds: torch.Tensor, positions: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+        """forward on the eager path, whatever `step` is: the exact reference."""
+        n = embeds.shape[0]
 
         def attend(i, q, k, v):
             keys, values = cache.layers[i].update(k[None], v[None])                                 # [1, KV, L, hd]
@@ -145,22 +157,6 @@ class LeanDecoder:
             return decode_attention(q[None], keys, values, full, self.scaling)                     # [1, n, H, hd]
 
         return self.run_layers(embeds, *self._rotary(positions, embeds), attend)
-
-    def _compiled_forward(self, cache, embeds: torch.Tensor, positions: torch.Tensor,
-                          mask: torch.Tensor | None) -> torch.Tensor:
-        """forward through the compiled step: the cache read as each layer's prefix, the new keys and
-        values appended here, outside the compiled function."""
-        n = embeds.shape[0]
-        cos, sin = self._rotary(positions, embeds)
-        # made here, in inference mode, whatever mode the caller built it in: the compiled step is
-        # guarded on its inputs' dispatch keys and would compile again for a normal tensor
-        among = mask.clone() if mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
-        layers = cache.layers
-        hidden, new_k, new_v = self.step(embeds, cos, sin, [layer.keys[0] for layer in layers],
-                                         [layer.values[0] for layer in layers], among.to(embeds.device))
-        for layer, k, v in zip(layers, new_k, new_v):
-            layer.update(k[None], v[None])
-        return hidden
 
     def run_layers(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
         """The decoder layers over embeds [n, hidden] with the rotary rows cos, sin [n, head_dim] of

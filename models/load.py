@@ -45,22 +45,26 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
     """The checkpoint at `path` behind the VideoLM protocol. lean: decode steps and verifications
     take models.lean's path over the model's weights (False: the model's own forward). compile:
     "off", a torch.compile mode for the lean path's steps (models.compiled_step.MODES, compiled
-    and warmed here, before any request), or "auto": whichever of "off" and "default" measures
-    faster on this device (measured once, then remembered: models.compile_auto)."""
+    and warmed here, before any request), a CUDA-graph mode on a GPU ("cudagraph",
+    "reduce-overhead": models.captured_step, captured here), or "auto": whichever measures fastest
+    on this device (measured once, then remembered: models.compile_auto)."""
     from models.compile_auto import choose_mode
-    from models.compiled_step import SETTINGS, CompiledStep
+    from models.compiled_step import CAPTURED, SETTINGS, build_step
 
     if compile not in SETTINGS:
         raise ModelError(f"compile={compile!r}: use one of {', '.join(SETTINGS)}")
     if compile != "off" and not lean:
         raise ModelError("compile needs the lean path (lean: true): it compiles the lean step")
+    if compile in CAPTURED and not str(device).startswith("cuda"):
+        raise ModelError(f"compile={compile} captures CUDA graphs and needs a CUDA device (device={device}); "
+                         "on the CPU use compile=default or auto")
     lm = _load(path, dtype=dtype, device=device, attn_implementation=attn_implementation, name=name)
     if not lean:
         lm.lean = None
     elif compile != "off" and lm.lean is not None:
         mode = compile if compile != "auto" else choose_mode(lm, _machine_key(path, lm))
         if mode != "off":
-            lm.lean.step = CompiledStep(lm.lean, mode)
+            lm.lean.step = build_step(lm.lean, mode)
             lm.lean.step.warm(lm.device, lm.dtype, name=lm.name)
         lm.compile = mode
     return lm

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from models.compiled_step import uncaptured_mode
 from models.compiling import call_at_warmed_threads, record_compile, set_threads, thread_counts
 from models.sparrow import HeadCache, SparrowHead
 from speculative.protocol import DraftInfo, Proposal, Timer, Verdict
@@ -119,7 +120,7 @@ def warm_tree(head: SparrowHead, lm, *, total: int, depth: int, topk: int) -> fl
     t0, now = time.perf_counter(), torch.get_num_threads()
     cache = HeadCache.empty(head)
     top = head(cache, torch.zeros(3, head.config.hidden, device=lm.device, dtype=lm.dtype), torch.arange(3))[-1]
-    grow = grower(lm.compile, lm.device)
+    grow = grower(uncaptured_mode(lm.compile), lm.device)
     counts = thread_counts(lm.device)
     try:
         for threads in counts:
@@ -188,7 +189,7 @@ class HeadDrafter:
                 return None
             shape = dict(depth=self.depth, vocab=self.vocab)
             if self.tree:
-                grow = grower(self.lm.compile, self.lm.device)
+                grow = grower(uncaptured_mode(self.lm.compile), self.lm.device)
                 tokens, parents, _ = draft_tree(self.head, self.lm, self.cache, self.top, self.position,
                                                 total=self.total, topk=self.topk, grow=grow, **shape)
             else:

@@ -1,0 +1,66 @@
+#!/bin/bash
+# Every GPU measurement of reelflow in one go, for a machine with torch and CUDA but no internet
+# and a few minutes of card time. Run from the repository root:
+#
+#   bash bench/gpu_session.sh [WHEELS] [OUT] [BUDGET_S]
+#
+# WHEELS: a folder with the wheels the machine lacks (av, hydra-core, omegaconf, antlr4,
+#         transformers) and a setup.sh that installs them and sets PYTHONPATH (default .gpu/wheels;
+#         skipped when absent, for a machine that has them);
+# OUT:    where the results go (default $OUT, else outputs/gpu/<time>);
+# BUDGET_S: seconds for the whole script (default 540): each part gets its own limit, cut to what
+#         is left, and a part with under 30 s left is skipped and says so.
+#
+# Parts, most important first:
+#   exactness  tests/models/test_captured_step.py: CUDA graphs against the eager lean path in bf16
+#              (toy target and random 7B), printing near ties and the largest logit difference;
+#   realsize   bench_realsize on the Qwen2.5-VL-7B shape at 8K and 32K video tokens: the step by
+#              path (eager lean, captured, captured inductor kernels) against its floor and
+#              transformers' static cache + torch.compile, verifications, Sparrow's round;
+#   toy        bench_sparrow on the GPU with captured steps: ar, sparrow, vanilla_sd, parallelvlm.
+# Writes OUT/log.txt (everything printed), realsize.json / realsize.md, toy_report.md / .csv.
+set -u
+WHEELS=${1:-.gpu/wheels}
+OUT=${2:-${OUT:-outputs/gpu/$(date +%F_%H-%M-%S)}}
+BUDGET=${3:-540}
+start=$(date +%s)
+mkdir -p "$OUT"
+log="$OUT/log.txt"
+left() { echo $(( BUDGET - ($(date +%s) - start) )); }
+
+part() {        # part NAME SECONDS COMMAND...: run COMMAND within min(SECONDS, what is left)
+    local name=$1 limit=$2 l rc t0
+    shift 2
+    l=$(left)
+    (( limit > l )) && limit=$l
+    if (( limit < 30 )); then
+        echo "== $name: skipped, $l s of the budget left" | tee -a "$log"
+        return
+    fi
+    echo "== $name (limit ${limit} s): $*" | tee -a "$log"
+    t0=$(date +%s)
+    timeout -k 10 "$limit" "$@" >> "$log" 2>&1
+    rc=$?
+    echo "== $name: exit $rc after $(( $(date +%s) - t0 )) s" | tee -a "$log"
+}
+
+if [ -f "$WHEELS/setup.sh" ]; then
+    # shellcheck disable=SC1091
+    . "$WHEELS/setup.sh" >> "$log" 2>&1 || { echo "installing the wheels failed (see $log)"; exit 1; }
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$log" 2>&1
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >> "$log" 2>&1
+
+part exactness 200 python3 -m pytest -q -s -p no:cacheprovider tests/models/test_captured_step.py
+
+tmp=$(mktemp -d)
+part realsize 330 python3 -m bench.bench_realsize --models random:qwen2.5-vl-7b --contexts 8192 32768 \
+    --paths lean cudagraph reduce-overhead --sparrow --peer --steps 32 --repeats 3 --out "$tmp/realsize"
+[ -f "$tmp/realsize/results.json" ] && cp "$tmp/realsize/results.json" "$OUT/realsize.json"
+[ -f "$tmp/realsize/table.md" ] && cp "$tmp/realsize/table.md" "$OUT/realsize.md"
+
+part toy 200 python3 -m run -m +experiment=bench_sparrow resources=gpu method=ar,sparrow,vanilla_sd,parallelvlm \
+    model.target.compile=cudagraph model.draft.compile=cudagraph hydra.sweep.dir="$tmp/toy"
+[ -f "$tmp/toy/report.md" ] && cp "$tmp/toy/report.md" "$OUT/toy_report.md"
+[ -f "$tmp/toy/report.csv" ] && cp "$tmp/toy/report.csv" "$OUT/toy_report.csv"
+echo "== done after $(( $(date +%s) - start )) s; results in $OUT" | tee -a "$log"

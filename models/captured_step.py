@@ -1,0 +1,215 @@
+"""The lean step as CUDA graphs: captured once per token-count bucket over the cache's own
+buffers, replayed every step, so a step costs its kernels and not the host's launches of them.
+
+    step = CapturedStep(lean, mode="reduce-overhead")     # or "cudagraph"; models.lean.LeanDecoder
+    step.warm(device, dtype)                              # compile and capture before any request
+    hidden = step.run(cache, embeds, cos, sin, among)     # what LeanDecoder.forward calls
+
+A graph replays fixed shapes at fixed addresses, and a decode step's shapes grow with the cache.
+So the step is written over fixed buffers with the length as data (buffered_step):
+- each layer's keys and values are its models.cache GrowingLayer's whole buffers [KV, capacity,
+  hd], spare room included, and how many entries each holds is a tensor; attention masks the
+  spare room by a [capacity] comparison with that length, never a mask of tokens × context;
+- the n new tokens (a step, a chain to verify, a tree's nodes with their ancestor mask as data)
+  are padded up to a bucket (BUCKETS), the padding rows seeing only themselves; their keys and
+  values are written at the held length inside the graph, and the cache then counts the real n
+  (GrowingLayer.advance), so the padding lands in spare room and is overwritten later.
+
+A graph is keyed by its bucket and the buffers' addresses and shapes: a rollback (crop) only moves
+the length and replays the same graph; a cache that grows past its room or is pruned gets new
+buffers and is captured again (once, tens of milliseconds). Graphs hold no reference to the
+buffers they were captured over: one is replayed only while the cache in hand has buffers at
+exactly its addresses and shapes, and it keeps the latest MAX_GRAPHS.
+
+Modes: "cudagraph" captures the eager operations (no compile, a quick start); "reduce-overhead"
+first compiles buffered_step with inductor (fused norms, rotary and SwiGLU: fewer kernels a layer)
+and captures that. Both need CUDA. The eager lean path (models.lean) stays the exact reference:
+the split attention sums the same terms in another order, so in float32 the tokens are its
+tokens, and in bfloat16 they differ only where two logits are within rounding of each other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from models.compiled_step import split_attention
+from models.compiling import record_compile
+
+MODES = ("cudagraph", "reduce-overhead")
+BUCKETS = (1, 2, 4, 8, 16, 32)   # token counts a graph is captured for (the lean path takes ≤ 32); more run uncaptured
+MAX_GRAPHS = 32
+WARMUP = 2                               # eager runs on a side stream before a capture (cuBLAS, allocator)
+
+
+def bucket_of(n: int) -> int | None:
+    """The smallest bucket that holds n tokens, or None above the largest."""
+    return next((b for b in BUCKETS if b >= n), None)
+
+
+def buffered_step(lean, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list, values: list,
+                  lengths: torch.Tensor, mask: torch.Tensor):
+    """The decoder layers of `lean` over the new tokens, attending to each layer's whole buffers.
+    embeds [n, hidden]; cos, sin [n, head_dim]; keys[l], values[l] [KV, capacity_l, hd] of which
+    the first lengths[l] are held (int64 [layers]); mask bool [n, n] among the new tokens.
+    -> final-norm hidden [n, hidden], new keys and values [layers, KV, n, hd]."""
+    new_k, new_v = [], []
+
+    def attend(i, q, k, v):
+        new_k.append(k)
+        new_v.append(v)
+        held = torch.arange(keys[i].shape[1], device=q.device) < lengths[i]                   # [capacity]
+        return split_attention(q, k, v, keys[i], values[i], mask, lean.scaling, held)
+
+    hidden = lean.run_layers(embeds, cos, sin, attend)
+    return hidden, torch.stack(new_k), torch.stack(new_v)
+
+
+@dataclass
+class _Bucket:
+    """One bucket's static inputs and, once captured, its graph and output."""
+
+    size: int
+    embeds: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor
+    lengths: torch.Tensor
+    graphs: OrderedDict = field(default_factory=OrderedDict)      # buffers' key -> (graph, hidden output)
+
+
+class CapturedStep:
+    """buffered_step for one LeanDecoder, replayed as CUDA graphs (see the module doc). With
+    capture=False (any device) each call runs the graph's body directly: the same operations on
+    the same buffers, what the CPU tests check against the eager path."""
+
+    def __init__(self, lean, mode: str = "reduce-overhead", *, capture: bool | None = None):
+        if mode not in MODES:
+            raise ValueError(f"compile={mode!r}: one of {', '.join(MODES)}")
+        self.lean, self.mode = lean, mode
+        device = lean.layers[0].q.device
+        self.capture = device.type == "cuda" if capture is None else capture
+        if self.capture and device.type != "cuda":
+            raise ValueError(f"compile={mode}: CUDA graphs need a CUDA device, the model is on {device}")
+        self._fn = torch.compile(buffered_step, dynamic=True) if mode == "reduce-overhead" else buffered_step
+        self._buckets: dict[int, _Bucket] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.captures = 0                   # graphs captured so far (tests, plan.txt)
+        self.capture_bytes = 0              # memory the captures reserved
+
+    # ------------------------------------------------------------------------- running
+
+    @torch.inference_mode()
+    def run(self, cache, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            among: torch.Tensor) -> torch.Tensor:
+        """The n new tokens (embeds [n, hidden], rotary rows cos/sin [n, hd], among bool [n, n])
+        over `cache` (its layers GrowingLayer), their keys and values appended. -> hidden [n, hidden]."""
+        n = embeds.shape[0]
+        size = bucket_of(n) or n                   # above the largest bucket: the body, uncaptured
+        layers = cache.layers
+        if not all(hasattr(layer, "buffers") for layer in layers):
+            raise TypeError("captured steps need models.cache's growing cache (GrowingLayer layers)")
+        for layer in layers:
+            if layer.capacity() - layer.get_seq_length() < size:
+                layer.reserve(size)
+        bucket = self._bucket(size, embeds)
+        self._fill(bucket, embeds, cos, sin, among, [layer.get_seq_length() for layer in layers])
+        buffers = [layer.buffers() for layer in layers]
+        if not self.capture or bucket_of(n) is None:
+            hidden = self._body(bucket, buffers)
+        else:
+            key = tuple((k.data_ptr(), v.data_ptr(), tuple(k.shape), k.stride()) for k, v in buffers)
+            if key not in bucket.graphs:
+                self._capture(bucket, key, buffers)
+            bucket.graphs.move_to_end(key)
+            graph, hidden = bucket.graphs[key]
+            graph.replay()
+        for layer in layers:
+            layer.advance(n)
+        return hidden[:n].clone()          # the output is the graph's: the next replay overwrites it
+
+    def _bucket(self, size: int, like: torch.Tensor) -> _Bucket:
+        if size not in self._buckets:
+            lean, dev = self.lean, like.device
+            self._buckets[size] = _Bucket(size, like.new_zeros(size, like.shape[1]),
+                                          like.new_ones(size, lean.head_dim), like.new_zeros(size, lean.head_dim),
+                                          torch.eye(size, dtype=torch.bool, device=dev),
+                                          torch.zeros(len(lean.layers), dtype=torch.long, device=dev))
+        return self._buckets[size]
+
+    @staticmethod
+    def _fill(bucket: _Bucket, embeds, cos, sin, among, lengths: list[int]) -> None:
+        """Copy this call's inputs into the bucket's static tensors; padding rows stay as made
+        (zero inputs, each seeing only itself)."""
+        n = embeds.shape[0]
+        bucket.embeds[:n].copy_(embeds)
+        bucket.cos[:n].copy_(cos)
+        bucket.sin[:n].copy_(sin)
+        bucket.mask[:n, :n].copy_(among)
+        if n < bucket.size:
+            bucket.embeds[n:].zero_()
+            bucket.mask[:n, n:] = False
+        bucket.lengths.copy_(torch.tensor(lengths, dtype=torch.long))
+
+    def _body(self, bucket: _Bucket, buffers) -> torch.Tensor:
+        """One step over the static inputs: the layers, then the new keys and values written at the
+        held lengths (what a graph captures)."""
+        keys = [k[0] for k, _ in buffers]
+        values = [v[0] for _, v in buffers]
+        hidden, new_k, new_v = self._fn(self.lean, bucket.embeds, bucket.cos, bucket.sin, keys, values,
+                                        bucket.lengths, bucket.mask)
+        rows = bucket.lengths[:, None] + torch.arange(bucket.size, device=bucket.lengths.device)     # [layers, size]
+        for i in range(len(keys)):
+            keys[i].index_copy_(1, rows[i], new_k[i])
+            values[i].index_copy_(1, rows[i], new_v[i])
+        return hidden
+
+    def _capture(self, bucket: _Bucket, key, buffers) -> None:
+        t0 = time.perf_counter()
+        device = bucket.embeds.device
+        reserved = torch.cuda.memory_reserved(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):          # warm-up writes land past the held length: spare room
+            for _ in range(WARMUP):
+                self._body(bucket, buffers)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a draft model's thread may launch its own work while this one captures
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            hidden = self._body(bucket, buffers)
+        bucket.graphs[key] = (graph, hidden)
+        while sum(len(b.graphs) for b in self._buckets.values()) > MAX_GRAPHS:
+            oldest = min((b for b in self._buckets.values() if b.graphs), key=lambda b: len(b.graphs))
+            oldest.graphs.popitem(last=False)
+        self.captures += 1
+        self.capture_bytes += max(0, torch.cuda.memory_reserved(device) - reserved)
+        self.last_capture_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------------- warm-up
+
+    @torch.inference_mode()
+    def warm(self, device, dtype, name: str = "step", sizes: tuple[int, ...] = BUCKETS) -> float:
+        """Compile (reduce-overhead) and capture every bucket over a small dummy cache, so that no
+        request pays the compile, and the first capture of a request's own cache is tens of ms.
+        Returns the seconds; the record names the captures' memory."""
+        from models.cache import growing_cache
+
+        lean, t0 = self.lean, time.perf_counter()
+        hidden = lean.layers[0].q.shape[1]
+        cache = growing_cache(lean.text.config)
+        lean.forward_eager(cache, torch.zeros(3, hidden, device=device, dtype=dtype), torch.arange(3))
+        for size in sizes:
+            embeds = torch.zeros(size, hidden, device=device, dtype=dtype)
+            cos, sin = lean._rotary(torch.arange(3, 3 + size), embeds)
+            self.run(cache, embeds, cos, sin, torch.ones(size, size, dtype=torch.bool, device=device).tril())
+            cache.crop(-size)              # transformers 5: a negative count of entries to drop
+        for bucket in self._buckets.values():     # keyed to the dummy's buffers: a request captures its own
+            bucket.graphs.clear()
+        seconds = time.perf_counter() - t0
+        memory = f", {self.capture_bytes / 2**20:.0f} MiB of graphs" if self.capture else ""
+        record_compile(f"{name} lean step, {len(sizes)} token buckets captured{memory}", self.mode, seconds)
+        return seconds

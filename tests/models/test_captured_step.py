@@ -1,0 +1,173 @@
+"""The captured lean step (models.captured_step): the step over the cache's whole buffers with the
+held length as data, tokens padded to a bucket, new keys and values written inside the step.
+
+On the CPU its body runs uncaptured (capture=False): the same operations a CUDA graph replays.
+There it must decode the eager lean path's tokens over 64 greedy steps and score trees and chains
+of every bucket, padded or above the largest, as the eager path does, whatever the spare room
+holds. Where CUDA is present the graphs themselves are checked in bfloat16 against the eager
+path, for the toy target and a random 7B-shaped model.
+
+Tolerances: in float32 the split sums the same terms in another order (1e-4 on logits of size
+~10, as tests/models/test_compiled_step.py). In bfloat16 two paths that round differently can
+only be held to the same greedy token where the reference's top two logits are further apart
+than the rounding: BF16_TIE below (see _assert_same_greedy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.captured_step import BUCKETS, CapturedStep, bucket_of
+from models.decoding import greedy, prefill_video
+from models.load import ModelError, load_model
+from speculative.tree import bushy_tree, tree_depths, tree_mask
+from zoo.train.data import example
+
+TARGET = "zoo/weights/qwen-target"
+CUDA = torch.cuda.is_available()
+BF16_TIE = 0.25       # logits of the 7B shape are ~N(0, 1.5); bf16 keeps 8 bits: a few roundings of ~8 in the sum
+
+
+def _prefilled(lm, ex):
+    cache, layout, logits = prefill_video(lm, ex.frames, 2, ex.prompt)
+    return cache, logits, layout.length, layout
+
+
+def _scores(lm, ex, trees, chains):
+    """Each tree's and each chain's logits over the prefilled cache, rolled back after each."""
+    cache, _, start, layout = _prefilled(lm, ex)
+    ids = torch.arange(80) % (lm.vocabulary - 3) + 3
+    out = []
+    for parents in trees:
+        n = parents.shape[0]
+        out.append(lm.score_tree(cache, ids[:n], tree_mask(parents), tree_depths(parents), start, layout))
+        lm.drop_last(cache, n)
+    for k in chains:
+        out.append(lm.score(cache, ids[:k], start, layout))
+        lm.drop_last(cache, k)
+    return out
+
+
+def test_buckets():
+    assert [bucket_of(n) for n in (1, 2, 3, 5, 30, 32, 33)] == [1, 2, 4, 8, 32, 32, None]
+    assert BUCKETS == tuple(sorted(BUCKETS))
+
+
+@pytest.mark.parametrize("garbage", [False, True])
+def test_the_buffered_body_decodes_the_eager_paths_tokens(garbage):
+    """64 greedy steps, then trees and chains padded to buckets (12 → 16, 30 → 32, 5 → 8),
+    equal the eager lean path's; with garbage in the spare room (finite
+    values a rollback leaves) as with zeros."""
+    ex = example(7, 30, 2)
+    lm = load_model(TARGET)
+    trees, chains = [bushy_tree(n) for n in (12, 30)], (1, 5, 8)
+    want_tokens = greedy(lm, *_prefilled(lm, ex), 64)
+    want_scores = _scores(lm, ex, trees, chains)
+
+    step = CapturedStep(lm.lean, "cudagraph", capture=False)
+    lm.lean.step = step
+    cache, logits, start, layout = _prefilled(lm, ex)
+    if garbage:
+        for layer in cache.layers:
+            layer.reserve(200)
+            for buf in layer.buffers():
+                buf[..., layer.get_seq_length():, :] = 1e4 * torch.randn_like(buf[..., layer.get_seq_length():, :])
+    assert greedy(lm, cache, logits, start, layout, 64) == want_tokens
+    for got, want in zip(_scores(lm, ex, trees, chains), want_scores):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert set(step._buckets) == {1, 8, 16, 32}
+
+
+def test_more_tokens_than_the_largest_bucket_run_uncaptured():
+    lm = load_model(TARGET)
+    g = torch.Generator().manual_seed(1)
+    embeds = torch.randn(40 + BUCKETS[-1] + 8, lm.hidden_size, generator=g)
+    prefix, new = embeds[:40], embeds[40:]
+    positions = torch.arange(embeds.shape[0])
+    caches = []
+    for step in (None, CapturedStep(lm.lean, "cudagraph", capture=False)):
+        cache = lm.new_cache()
+        lm.lean.forward_eager(cache, prefix, positions[:40])
+        lm.lean.step = step
+        caches.append((lm.lean.forward(cache, new, positions[40:]), cache))
+    (want, eager), (got, captured) = caches
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert captured.get_seq_length() == eager.get_seq_length() == embeds.shape[0]
+
+
+def test_layers_of_different_lengths_after_pruning():
+    """A cache whose layers were pruned to different lengths (FastV keeps all tokens below its
+    layer): each layer attends to its own held entries."""
+    ex = example(3, 30, 2)
+    lm = load_model(TARGET)
+
+    def run():
+        cache, logits, start, layout = _prefilled(lm, ex)
+        n = cache.get_seq_length()
+        keep = [torch.arange(n) if i < 2 else torch.arange(0, n, 3) for i in range(len(cache.layers))]
+        lm.keep(cache, keep)
+        return greedy(lm, cache, logits, start, layout, 16)
+
+    want = run()
+    lm.lean.step = CapturedStep(lm.lean, "cudagraph", capture=False)
+    assert run() == want
+
+
+def test_capture_needs_cuda():
+    if CUDA:
+        pytest.skip("this machine has CUDA: the refusal is for CPU-only machines")
+    with pytest.raises(ModelError, match="needs a CUDA device"):
+        load_model(TARGET, compile="cudagraph")
+    lm = load_model(TARGET)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        CapturedStep(lm.lean, "reduce-overhead", capture=True)
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+def _assert_same_greedy(lm, steps: int, build):
+    """Teacher-forced on the eager path's greedy tokens, the captured path picks the same token at
+    every step where the eager logits' top two are more than BF16_TIE apart; returns
+    (steps compared, near ties, the largest logit difference)."""
+    def run(step):
+        lm.lean.step = step
+        cache, logits, start, layout = build()
+        tokens, rows = [], [logits]
+        for i in range(steps):
+            token = int(rows[-1].argmax()) if step is None else eager_tokens[i]
+            tokens.append(token)
+            rows.append(lm.score(cache, torch.tensor([token]), start + i, layout)[-1])
+        return tokens, torch.stack(rows).float()
+
+    eager_tokens, want = run(None)
+    for mode in ("cudagraph", "reduce-overhead"):
+        step = CapturedStep(lm.lean, mode)
+        step.warm(lm.device, lm.dtype)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            _, got = run(step)
+        assert step.captures >= len(BUCKETS) + 1          # the warm-up's buckets, then this cache's one-token graph
+        top2 = want.topk(2, dim=-1).values
+        decided = (top2[:, 0] - top2[:, 1]) > BF16_TIE
+        assert torch.equal(got.argmax(-1)[decided], want.argmax(-1)[decided]), mode
+        print(f"{lm.name} {mode}: {steps} steps, {int((~decided).sum())} near ties, "
+              f"max |Δ logit| {float((got - want).abs().max()):.3f}")
+    lm.lean.step = None
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs are captured on a CUDA device")
+def test_captured_graphs_decode_the_eager_paths_tokens_on_the_toy_target():
+    lm = load_model(TARGET, dtype="bfloat16", device="cuda")
+    ex = example(7, 30, 2)
+    _assert_same_greedy(lm, 64, lambda: _prefilled(lm, ex))
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs are captured on a CUDA device")
+def test_captured_graphs_decode_the_eager_paths_tokens_at_7b_shape():
+    lm = load_model("random:qwen2.5-vl-7b", dtype="bfloat16", device="cuda")
+    frames = torch.randint(0, 256, (8, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    _assert_same_greedy(lm, 64, lambda: _prefilled_frames(lm, frames))
+
+
+def _prefilled_frames(lm, frames):
+    cache, layout, logits = prefill_video(lm, frames, 2, "describe the video .")
+    return cache, logits, layout.length, layout
