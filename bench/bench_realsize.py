@@ -276,6 +276,7 @@ def run_benchmark(models, contexts, *, device="cuda", dtype="bfloat16", attn="sd
         load_s, lm = _timed(lambda: load_model(path, dtype=dtype, device=device, attn_implementation=attn), device)
         entry = {"parameters": sum(p.numel() for p in lm.model.parameters()), "load_s": load_s,
                  "layers": lm.n_layers, "contexts": {}}
+        results["models"][path] = entry
         measure(lm, contexts[0], steps=2, repeats=1, ks=ks[:1], paths=paths)   # kernels, allocator, cuBLAS handles
         peer_decoder = None
         if peer is not None and lm.lean is not None:
@@ -292,8 +293,9 @@ def run_benchmark(models, contexts, *, device="cuda", dtype="bfloat16", attn="sd
                 entry["contexts"][label(n, alpha)] = {"error": "out of memory: " + str(e).splitlines()[0]}
             if on_gpu:
                 torch.cuda.empty_cache()
+            if out is not None:             # what is measured so far, in case the run is cut short
+                write(results, out)
             bar.update()
-        results["models"][path] = entry
         del lm, peer_decoder
         if on_gpu:
             torch.cuda.empty_cache()

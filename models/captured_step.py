@@ -6,7 +6,8 @@ buffers, replayed every step, so a step costs its kernels and not the host's lau
     hidden = step.run(cache, embeds, cos, sin, among)     # what LeanDecoder.forward calls
 
 A graph replays fixed shapes at fixed addresses, and a decode step's shapes grow with the cache.
-So the step is written over fixed buffers with the length as data (buffered_step):
+So the step is written over fixed buffers with the length as data (buffered_step, a layer at a
+time: buffered_layer):
 - each layer's keys and values are its models.cache GrowingLayer's whole buffers [KV, capacity,
   hd], spare room included, and how many entries each holds is a tensor; attention masks the
   spare room by a [capacity] comparison with that length, never a mask of tokens × context;
@@ -22,8 +23,8 @@ buffers they were captured over: one is replayed only while the cache in hand ha
 exactly its addresses and shapes, and it keeps the latest MAX_GRAPHS.
 
 Modes: "cudagraph" captures the eager operations (no compile, a quick start); "reduce-overhead"
-first compiles buffered_step with inductor (fused norms, rotary and SwiGLU: fewer kernels a layer)
-and captures that. Both need CUDA. The eager lean path (models.lean) stays the exact reference:
+first compiles buffered_layer with inductor (fused norms, rotary and SwiGLU: fewer kernels a
+layer; one compile serves every layer) and captures that. Both need CUDA. The eager lean path (models.lean) stays the exact reference:
 the split attention sums the same terms in another order, so in float32 the tokens are its
 tokens, and in bfloat16 they differ only where two logits are within rounding of each other.
 """
@@ -32,12 +33,13 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from models.compiled_step import split_attention
 from models.compiling import record_compile
+from models.lean import LayerWeights, rms_norm
 
 MODES = ("cudagraph", "reduce-overhead")
 BUCKETS = (1, 2, 4, 8, 16, 32)   # token counts a graph is captured for (the lean path takes ≤ 32); more run uncaptured
@@ -50,22 +52,39 @@ def bucket_of(n: int) -> int | None:
     return next((b for b in BUCKETS if b >= n), None)
 
 
+def buffered_layer(lean, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor, lengths: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, *weights):
+    """One decoder layer of `lean` over the new tokens x [n, hidden], attending to its whole
+    buffers keys, values [KV, capacity, hd] of which the first lengths[index] are held (lengths
+    int64 [layers], index a 0-d int64 tensor); cos, sin [n, head_dim]; mask bool [n, n] among the
+    new tokens; weights: the layer's LayerWeights fields in order. -> the layer's output
+    [n, hidden], its new keys and values [KV, n, hd]. One function for every layer, so that
+    inductor compiles one layer, not the unrolled stack (minutes at 28 layers)."""
+    new = {}
+
+    def attend(q, k, v):
+        new["k"], new["v"] = k, v
+        held = torch.arange(keys.shape[1], device=q.device) < lengths[index]                  # [capacity]
+        return split_attention(q, k, v, keys, values, mask, lean.scaling, held)
+
+    x = lean.layer(x, LayerWeights(*weights), cos, sin, attend)
+    return x, new["k"], new["v"]
+
+
 def buffered_step(lean, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list, values: list,
-                  lengths: torch.Tensor, mask: torch.Tensor):
-    """The decoder layers of `lean` over the new tokens, attending to each layer's whole buffers.
-    embeds [n, hidden]; cos, sin [n, head_dim]; keys[l], values[l] [KV, capacity_l, hd] of which
-    the first lengths[l] are held (int64 [layers]); mask bool [n, n] among the new tokens.
-    -> final-norm hidden [n, hidden], new keys and values [layers, KV, n, hd]."""
-    new_k, new_v = [], []
-
-    def attend(i, q, k, v):
-        new_k.append(k)
-        new_v.append(v)
-        held = torch.arange(keys[i].shape[1], device=q.device) < lengths[i]                   # [capacity]
-        return split_attention(q, k, v, keys[i], values[i], mask, lean.scaling, held)
-
-    hidden = lean.run_layers(embeds, cos, sin, attend)
-    return hidden, torch.stack(new_k), torch.stack(new_v)
+                  lengths: torch.Tensor, indices: list, mask: torch.Tensor, layer=buffered_layer):
+    """The decoder layers of `lean` over the new tokens (buffered_layer each, `layer` compiled or
+    not), their new keys and values written into the buffers at the held lengths. embeds [n, hidden];
+    keys[l], values[l] [KV, capacity_l, hd]; indices[l]: 0-d int64 tensors holding l.
+    -> final-norm hidden [n, hidden]."""
+    x = embeds
+    rows = lengths[:, None] + torch.arange(embeds.shape[0], device=lengths.device)                  # [layers, n]
+    for i, w in enumerate(lean.layers):
+        x, k, v = layer(lean, x, cos, sin, keys[i], values[i], lengths, indices[i], mask,
+                        *(getattr(w, f.name) for f in fields(w)))
+        keys[i].index_copy_(1, rows[i], k)
+        values[i].index_copy_(1, rows[i], v)
+    return rms_norm(x, lean.final_norm, lean.eps)
 
 
 @dataclass
@@ -94,7 +113,8 @@ class CapturedStep:
         self.capture = device.type == "cuda" if capture is None else capture
         if self.capture and device.type != "cuda":
             raise ValueError(f"compile={mode}: CUDA graphs need a CUDA device, the model is on {device}")
-        self._fn = torch.compile(buffered_step, dynamic=True) if mode == "reduce-overhead" else buffered_step
+        self._layer = torch.compile(buffered_layer, dynamic=True) if mode == "reduce-overhead" else buffered_layer
+        self._indices = [torch.tensor(i, device=device) for i in range(len(lean.layers))]
         self._buckets: dict[int, _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.captures = 0                   # graphs captured so far (tests, plan.txt)
@@ -155,17 +175,10 @@ class CapturedStep:
         bucket.lengths.copy_(torch.tensor(lengths, dtype=torch.long))
 
     def _body(self, bucket: _Bucket, buffers) -> torch.Tensor:
-        """One step over the static inputs: the layers, then the new keys and values written at the
-        held lengths (what a graph captures)."""
-        keys = [k[0] for k, _ in buffers]
-        values = [v[0] for _, v in buffers]
-        hidden, new_k, new_v = self._fn(self.lean, bucket.embeds, bucket.cos, bucket.sin, keys, values,
-                                        bucket.lengths, bucket.mask)
-        rows = bucket.lengths[:, None] + torch.arange(bucket.size, device=bucket.lengths.device)     # [layers, size]
-        for i in range(len(keys)):
-            keys[i].index_copy_(1, rows[i], new_k[i])
-            values[i].index_copy_(1, rows[i], new_v[i])
-        return hidden
+        """One step over the static inputs, the new keys and values written at the held lengths
+        (what a graph captures)."""
+        return buffered_step(self.lean, bucket.embeds, bucket.cos, bucket.sin, [k[0] for k, _ in buffers],
+                             [v[0] for _, v in buffers], bucket.lengths, self._indices, bucket.mask, self._layer)
 
     def _capture(self, bucket: _Bucket, key, buffers) -> None:
         t0 = time.perf_counter()
@@ -177,6 +190,9 @@ class CapturedStep:
             for _ in range(WARMUP):
                 self._body(bucket, buffers)
         torch.cuda.current_stream(device).wait_stream(side)
+        if not any(b.graphs for b in self._buckets.values()):
+            # a pool whose graphs were all dropped is released and cannot take a new capture
+            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # thread_local: a draft model's thread may launch its own work while this one captures
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):

@@ -164,15 +164,20 @@ class LeanDecoder:
         stores the new keys and values wherever its cache keeps them and returns the attention,
         [1, n, H, hd] or [n, H * hd]. Returns the final-norm hidden states [n, hidden]."""
         x = embeds
-        n = x.shape[0]
         for i, w in enumerate(self.layers):
-            h = rms_norm(x, w.input_norm, self.eps)
-            q = F.linear(h, w.q, w.q_bias).view(n, self.n_heads, self.head_dim).transpose(0, 1)      # [H, n, hd]
-            k = F.linear(h, w.k, w.k_bias).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1)   # [KV, n, hd]
-            v = F.linear(h, w.v, w.v_bias).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            attn = attend(i, q, k, v)
-            x = x + F.linear(attn.reshape(n, self.n_heads * self.head_dim), w.o, w.o_bias)
-            h = rms_norm(x, w.post_norm, self.eps)
-            x = x + F.linear(F.silu(F.linear(h, w.gate)) * F.linear(h, w.up), w.down)
+            x = self.layer(x, w, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v))
         return rms_norm(x, self.final_norm, self.eps)
+
+    def layer(self, x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+        """One decoder layer with weights `w` over x [n, hidden]; attend(q, k, v) as in run_layers.
+        -> the layer's output [n, hidden]."""
+        n = x.shape[0]
+        h = rms_norm(x, w.input_norm, self.eps)
+        q = F.linear(h, w.q, w.q_bias).view(n, self.n_heads, self.head_dim).transpose(0, 1)      # [H, n, hd]
+        k = F.linear(h, w.k, w.k_bias).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1)   # [KV, n, hd]
+        v = F.linear(h, w.v, w.v_bias).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        attn = attend(q, k, v)
+        x = x + F.linear(attn.reshape(n, self.n_heads * self.head_dim), w.o, w.o_bias)
+        h = rms_norm(x, w.post_norm, self.eps)
+        return x + F.linear(F.silu(F.linear(h, w.gate)) * F.linear(h, w.up), w.down)

@@ -9,8 +9,9 @@ path, for the toy target and a random 7B-shaped model.
 
 Tolerances: in float32 the split sums the same terms in another order (1e-4 on logits of size
 ~10, as tests/models/test_compiled_step.py). In bfloat16 two paths that round differently can
-only be held to the same greedy token where the reference's top two logits are further apart
-than the rounding: BF16_TIE below (see _assert_same_greedy)."""
+be held to logits within LOGIT_TOL of each other, and to the same greedy token wherever the
+reference's top two logits are more than twice that apart (a logit moved by at most LOGIT_TOL
+cannot overtake one that leads by more than 2 LOGIT_TOL): see _assert_same_greedy."""
 
 from __future__ import annotations
 
@@ -25,7 +26,11 @@ from zoo.train.data import example
 
 TARGET = "zoo/weights/qwen-target"
 CUDA = torch.cuda.is_available()
-BF16_TIE = 0.25       # logits of the 7B shape are ~N(0, 1.5); bf16 keeps 8 bits: a few roundings of ~8 in the sum
+# bf16 keeps 8 significant bits; the eager path's one-token attention keeps its scores in float32
+# (sdpa's flash kernel) where the captured one rounds them to bf16 before the softmax, in every
+# layer. Measured on an H100: at most 0.09-0.13 (toy target, logits ~10), 0.28 (7B shape); 0.5
+# leaves room for another card's kernels.
+LOGIT_TOL = 0.5
 
 
 def _prefilled(lm, ex):
@@ -95,6 +100,23 @@ def test_more_tokens_than_the_largest_bucket_run_uncaptured():
     assert captured.get_seq_length() == eager.get_seq_length() == embeds.shape[0]
 
 
+def test_one_compiled_layer_serves_every_layer_and_length_without_recompiling():
+    """reduce-overhead compiles buffered_layer once (and once more for one token), whatever the
+    layer, the cache length or the bucket: a recompile raises. Uncaptured here, as on the CPU."""
+    ex = example(5, 30, 2)
+    lm = load_model(TARGET)
+    want_tokens = greedy(lm, *_prefilled(lm, ex), 32)
+    want_scores = _scores(lm, ex, [bushy_tree(20)], (4,))
+    torch._dynamo.reset()
+    step = CapturedStep(lm.lean, "reduce-overhead", capture=False)
+    step.warm(lm.device, lm.dtype)
+    lm.lean.step = step
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert greedy(lm, *_prefilled(lm, ex), 32) == want_tokens
+        for got, want in zip(_scores(lm, ex, [bushy_tree(20)], (4,)), want_scores):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
 def test_layers_of_different_lengths_after_pruning():
     """A cache whose layers were pruned to different lengths (FastV keeps all tokens below its
     layer): each layer attends to its own held entries."""
@@ -126,9 +148,10 @@ def test_capture_needs_cuda():
 # ----------------------------------------------------------------------------- on a GPU
 
 def _assert_same_greedy(lm, steps: int, build):
-    """Teacher-forced on the eager path's greedy tokens, the captured path picks the same token at
-    every step where the eager logits' top two are more than BF16_TIE apart; returns
-    (steps compared, near ties, the largest logit difference)."""
+    """Teacher-forced on the eager path's greedy tokens, each captured mode's logits stay within
+    LOGIT_TOL of the eager path's, and it picks the same token at every step where the eager
+    logits' top two are more than 2 LOGIT_TOL apart. Prints the near ties and the largest
+    difference (the GPU session's log keeps them)."""
     def run(step):
         lm.lean.step = step
         cache, logits, start, layout = build()
@@ -140,17 +163,20 @@ def _assert_same_greedy(lm, steps: int, build):
         return tokens, torch.stack(rows).float()
 
     eager_tokens, want = run(None)
+    top2 = want.topk(2, dim=-1).values
+    decided = (top2[:, 0] - top2[:, 1]) > 2 * LOGIT_TOL
     for mode in ("cudagraph", "reduce-overhead"):
         step = CapturedStep(lm.lean, mode)
         step.warm(lm.device, lm.dtype)
         with torch.compiler.set_stance("fail_on_recompile"):
             _, got = run(step)
         assert step.captures >= len(BUCKETS) + 1          # the warm-up's buckets, then this cache's one-token graph
-        top2 = want.topk(2, dim=-1).values
-        decided = (top2[:, 0] - top2[:, 1]) > BF16_TIE
+        worst = float((got - want).abs().max())
+        same = float((got.argmax(-1) == want.argmax(-1)).float().mean())
+        print(f"{lm.name} {mode}: {steps} steps, {int((~decided).sum())} within 2 × {LOGIT_TOL} of a tie, "
+              f"max |Δ logit| {worst:.3f}, same token at {same:.0%} of the steps")
+        assert worst <= LOGIT_TOL, mode
         assert torch.equal(got.argmax(-1)[decided], want.argmax(-1)[decided]), mode
-        print(f"{lm.name} {mode}: {steps} steps, {int((~decided).sum())} near ties, "
-              f"max |Δ logit| {float((got - want).abs().max()):.3f}")
     lm.lean.step = None
 
 
