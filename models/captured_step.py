@@ -24,9 +24,10 @@ exactly its addresses and shapes, and it keeps the latest MAX_GRAPHS.
 
 Modes: "cudagraph" captures the eager operations (no compile, a quick start); "reduce-overhead"
 first compiles buffered_layer with inductor (fused norms, rotary and SwiGLU: fewer kernels a
-layer; one compile serves every layer) and captures that. Both need CUDA. The eager lean path (models.lean) stays the exact reference:
-the split attention sums the same terms in another order, so in float32 the tokens are its
-tokens, and in bfloat16 they differ only where two logits are within rounding of each other.
+layer; one compile serves every layer) and captures that. Both need CUDA. The eager lean path
+(models.lean) stays the exact reference: the split attention sums the same terms in another
+order, so in float32 the tokens are its tokens, and in bfloat16 they differ only where two logits
+are within rounding of each other.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def buffered_layer(lean, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
                    values: torch.Tensor, lengths: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, *weights):
     """One decoder layer of `lean` over the new tokens x [n, hidden], attending to its whole
     buffers keys, values [KV, capacity, hd] of which the first lengths[index] are held (lengths
-    int64 [layers], index a 0-d int64 tensor); cos, sin [n, head_dim]; mask bool [n, n] among the
+    int64 [layers], index int64 [1]); cos, sin [n, head_dim]; mask bool [n, n] among the
     new tokens; weights: the layer's LayerWeights fields in order. -> the layer's output
     [n, hidden], its new keys and values [KV, n, hd]. One function for every layer, so that
     inductor compiles one layer, not the unrolled stack (minutes at 28 layers)."""
@@ -64,7 +65,8 @@ def buffered_layer(lean, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
     def attend(q, k, v):
         new["k"], new["v"] = k, v
-        held = torch.arange(keys.shape[1], device=q.device) < lengths[index]                  # [capacity]
+        # index_select, not lengths[index]: a tensor used as a Python index is read on the host
+        held = torch.arange(keys.shape[1], device=q.device) < lengths.index_select(0, index)  # [capacity]
         return split_attention(q, k, v, keys, values, mask, lean.scaling, held)
 
     x = lean.layer(x, LayerWeights(*weights), cos, sin, attend)
@@ -75,7 +77,7 @@ def buffered_step(lean, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
                   lengths: torch.Tensor, indices: list, mask: torch.Tensor, layer=buffered_layer):
     """The decoder layers of `lean` over the new tokens (buffered_layer each, `layer` compiled or
     not), their new keys and values written into the buffers at the held lengths. embeds [n, hidden];
-    keys[l], values[l] [KV, capacity_l, hd]; indices[l]: 0-d int64 tensors holding l.
+    keys[l], values[l] [KV, capacity_l, hd]; indices[l]: int64 [1] tensors holding l.
     -> final-norm hidden [n, hidden]."""
     x = embeds
     rows = lengths[:, None] + torch.arange(embeds.shape[0], device=lengths.device)                  # [layers, n]
@@ -114,7 +116,7 @@ class CapturedStep:
         if self.capture and device.type != "cuda":
             raise ValueError(f"compile={mode}: CUDA graphs need a CUDA device, the model is on {device}")
         self._layer = torch.compile(buffered_layer, dynamic=True) if mode == "reduce-overhead" else buffered_layer
-        self._indices = [torch.tensor(i, device=device) for i in range(len(lean.layers))]
+        self._indices = [torch.tensor([i], device=device) for i in range(len(lean.layers))]
         self._buckets: dict[int, _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.captures = 0                   # graphs captured so far (tests, plan.txt)

@@ -150,7 +150,8 @@ def test_capture_needs_cuda():
 def _assert_same_greedy(lm, steps: int, build):
     """Teacher-forced on the eager path's greedy tokens, each captured mode's logits stay within
     LOGIT_TOL of the eager path's, and it picks the same token at every step where the eager
-    logits' top two are more than 2 LOGIT_TOL apart. Prints the near ties and the largest
+    logits' top two are more than 2 LOGIT_TOL apart; trees and a chain in padded buckets score
+    within LOGIT_TOL too. Prints the near ties and the largest
     difference (the GPU session's log keeps them)."""
     def run(step):
         lm.lean.step = step
@@ -162,7 +163,21 @@ def _assert_same_greedy(lm, steps: int, build):
             rows.append(lm.score(cache, torch.tensor([token]), start + i, layout)[-1])
         return tokens, torch.stack(rows).float()
 
+    def several(step):
+        """trees of 12 and 30 nodes and a 5-token chain (buckets 16, 32, 8: padded replays)"""
+        lm.lean.step = step
+        cache, _, start, layout = build()
+        ids = torch.tensor((eager_tokens * 30)[:30])
+        out = []
+        for parents in (bushy_tree(12), bushy_tree(30)):
+            n = parents.shape[0]
+            out.append(lm.score_tree(cache, ids[:n], tree_mask(parents), tree_depths(parents), start, layout).float())
+            lm.drop_last(cache, n)
+        out.append(lm.score(cache, ids[:5], start, layout).float())
+        return out
+
     eager_tokens, want = run(None)
+    want_several = several(None)
     top2 = want.topk(2, dim=-1).values
     decided = (top2[:, 0] - top2[:, 1]) > 2 * LOGIT_TOL
     for mode in ("cudagraph", "reduce-overhead"):
@@ -176,6 +191,8 @@ def _assert_same_greedy(lm, steps: int, build):
         print(f"{lm.name} {mode}: {steps} steps, {int((~decided).sum())} within 2 × {LOGIT_TOL} of a tie, "
               f"max |Δ logit| {worst:.3f}, same token at {same:.0%} of the steps")
         assert worst <= LOGIT_TOL, mode
+        for got_n, want_n in zip(several(step), want_several):
+            torch.testing.assert_close(got_n, want_n, rtol=0, atol=LOGIT_TOL)
         assert torch.equal(got.argmax(-1)[decided], want.argmax(-1)[decided]), mode
     lm.lean.step = None
 
