@@ -77,9 +77,10 @@ def kept_rows(layout, alpha: float) -> torch.Tensor:
 
 
 def measure(lm, n_video: int, *, steps: int, repeats: int, ks: tuple[int, ...], alpha: float = 0.0,
-            paths: tuple[str, ...] = ("lean",), sparrow: dict | None = None, peer=None) -> dict:
+            paths: tuple[str, ...] = ("lean",), sparrow: dict | None = None, peer=None, profile: bool = False) -> dict:
     """Every timing of one model at one context (see the module doc); with `alpha` > 0 the cache
     holds the prompt with that share of its video pruned, at the kept tokens' own positions.
+    profile: also where a one-token step's device time goes, per path (profile_step).
     peer: a bench.peer.PeerDecoder of this model, timed at the same context last."""
     device = lm.device
     n_frames, hw = frames_for(lm, n_video)
@@ -101,11 +102,13 @@ def measure(lm, n_video: int, *, steps: int, repeats: int, ks: tuple[int, ...], 
         if len(prefills) < repeats:
             del cache
     token, position = int(logits.argmax()), layout.length
-    step_ms, verify_ms = {}, {}
+    step_ms, verify_ms, profiles = {}, {}, {}
     for path in paths:
         with decode_path(lm, path):
             step_ms[path], token, position = _steps(lm, cache, layout, token, position, steps)
             verify_ms[path] = _verifications(lm, cache, layout, token, position, ks, repeats)
+            if profile:
+                profiles[path] = profile_step(lm, cache, layout, token, position)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if torch.device(device).type == "cuda" else None
     floor_ms = 1000 * step_bytes(lm, cache) / copy_bandwidth(device, repeats)
     main = paths[-1]
@@ -124,7 +127,8 @@ def measure(lm, n_video: int, *, steps: int, repeats: int, ks: tuple[int, ...], 
             "encode_s": encode_s, "prefill_s": statistics.median(prefills), "path": main,
             "step_ms": step_ms[main], "verify_ms": verify_ms[main], "floor_ms": floor_ms,
             "step_ms_by_path": step_ms, "verify_ms_by_path": verify_ms, "peak_gib": peak,
-            "peer_step_ms": peer_ms, "peer_mode": peer.mode if peer is not None else None}
+            "peer_step_ms": peer_ms, "peer_mode": peer.mode if peer is not None else None,
+            **({"profile": profiles} if profile else {})}
 
 
 def _steps(lm, cache, layout, token: int, position: int, steps: int) -> tuple[float, int, int]:
@@ -140,6 +144,22 @@ def _steps(lm, cache, layout, token: int, position: int, steps: int) -> tuple[fl
             times.append(time.perf_counter() - start)
         position += 1
     return 1000 * statistics.mean(times), token, position
+
+
+def profile_step(lm, cache, layout, token: int, position: int, steps: int = 4, rows: int = 12) -> str:
+    """torch.profiler's table of `steps` one-token steps (rolled back after), the operations and
+    kernels that take the most device time (CPU time on the CPU) first: where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = torch.device(lm.device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    length = lm.cached_length(cache)
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            int(lm.score(cache, torch.tensor([token]), position + i, layout)[-1].argmax())
+    lm.drop_last(cache, lm.cached_length(cache) - length)
+    key = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60)
 
 
 def _verifications(lm, cache, layout, token: int, position: int, ks, repeats: int) -> dict:
@@ -258,7 +278,7 @@ def label(n: int, alpha: float) -> str:
 
 def run_benchmark(models, contexts, *, device="cuda", dtype="bfloat16", attn="sdpa", steps=32, repeats=2,
                   ks=(2, 4, 8, 16), pair=None, alphas=(0.0, 0.5, 0.9), gamma=8, paths=None, sparrow: dict | None = None,
-                  taus=(2.5, 3.0, 4.5), peer: str | None = None, out: Path | None = None) -> dict:
+                  taus=(2.5, 3.0, 4.5), peer: str | None = None, out: Path | None = None, profile: bool = False) -> dict:
     """peer: None, or the compile mode of transformers' static-cache decoder timed beside each
     model's paths (bench.peer: "auto", "off", "default", "reduce-overhead")."""
     contexts = sorted(set(contexts))
@@ -288,7 +308,8 @@ def run_benchmark(models, contexts, *, device="cuda", dtype="bfloat16", attn="sd
             try:
                 entry["contexts"][label(n, alpha)] = measure(lm, n, steps=steps, repeats=repeats, ks=ks, alpha=alpha,
                                                              paths=paths, sparrow=sparrow if not alpha else None,
-                                                             peer=peer_decoder if not alpha else None)
+                                                             peer=peer_decoder if not alpha else None,
+                                                             profile=profile and not alpha)
             except torch.OutOfMemoryError as e:
                 entry["contexts"][label(n, alpha)] = {"error": "out of memory: " + str(e).splitlines()[0]}
             if on_gpu:
@@ -419,6 +440,11 @@ def write(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "table.md").write_text(markdown(results))
+    profiles = [f"## {path.removeprefix('random:')}, {n} video tokens, {name}\n\n```\n{table}```\n"
+                for path, entry in results["models"].items() for n, r in entry["contexts"].items()
+                for name, table in r.get("profile", {}).items()]
+    if profiles:
+        (out / "profile.md").write_text("\n".join(profiles))
     plot(results, out / "realsize.png")
 
 
@@ -447,6 +473,8 @@ def main(argv=None) -> None:
     parser.add_argument("--peer", nargs="?", const="auto", choices=("auto", "off", "default", "reduce-overhead"),
                         help="also time transformers' static-cache decoder of each model's shape (compile mode; "
                              "auto: reduce-overhead on CUDA, default on the CPU)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also torch.profiler's table of a one-token step per path (profile.md)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if torch.device(args.device).type != "cuda":
@@ -457,7 +485,7 @@ def main(argv=None) -> None:
                             steps=args.steps, repeats=args.repeats, ks=ks, pair=args.pair, alphas=args.alphas,
                             gamma=args.gamma, paths=args.paths,
                             sparrow=dict(zip(("total", "depth", "topk"), args.tree)) if args.sparrow else None,
-                            taus=tuple(args.tau), peer=args.peer, out=out)
+                            taus=tuple(args.tau), peer=args.peer, out=out, profile=args.profile)
     print(markdown(results))
     print(f"written to {out}")
 

@@ -16,9 +16,11 @@
 #              (toy target and random 7B), printing near ties and the largest logit difference;
 #   realsize   bench_realsize on the Qwen2.5-VL-7B shape at 8K and 32K video tokens: the step by
 #              path (eager lean, captured, captured inductor kernels) against its floor and
-#              transformers' static cache + torch.compile, verifications, Sparrow's round;
+#              transformers' static cache + torch.compile, verifications, Sparrow's round, and
+#              torch.profiler's table of a step per path (what the step's time is spent on);
 #   toy        bench_sparrow on the GPU with captured steps: ar, sparrow, vanilla_sd, parallelvlm.
-# Writes OUT/log.txt (everything printed), realsize.json / realsize.md, toy_report.md / .csv.
+# Writes OUT/log.txt (everything printed), realsize.json / .md, profile.md, toy_report.md / .csv;
+# bench_realsize writes after each context, so a part cut short keeps what it measured.
 set -u
 WHEELS=${1:-.gpu/wheels}
 OUT=${2:-${OUT:-outputs/gpu/$(date +%F_%H-%M-%S)}}
@@ -51,13 +53,14 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$log" 2>&1
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >> "$log" 2>&1
 
-part exactness 200 python3 -m pytest -q -s -p no:cacheprovider tests/models/test_captured_step.py
+part exactness 150 python3 -m pytest -q -s -p no:cacheprovider tests/models/test_captured_step.py
 
 tmp=$(mktemp -d)
 part realsize 330 python3 -m bench.bench_realsize --models random:qwen2.5-vl-7b --contexts 8192 32768 \
-    --paths lean cudagraph reduce-overhead --sparrow --peer --steps 32 --repeats 3 --out "$tmp/realsize"
+    --paths lean cudagraph reduce-overhead --sparrow --peer --profile --steps 32 --repeats 3 --out "$tmp/realsize"
 [ -f "$tmp/realsize/results.json" ] && cp "$tmp/realsize/results.json" "$OUT/realsize.json"
 [ -f "$tmp/realsize/table.md" ] && cp "$tmp/realsize/table.md" "$OUT/realsize.md"
+[ -f "$tmp/realsize/profile.md" ] && cp "$tmp/realsize/profile.md" "$OUT/profile.md"
 
 part toy 200 python3 -m run -m +experiment=bench_sparrow resources=gpu method=ar,sparrow,vanilla_sd,parallelvlm \
     model.target.compile=cudagraph model.draft.compile=cudagraph hydra.sweep.dir="$tmp/toy"

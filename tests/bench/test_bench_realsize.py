@@ -59,3 +59,15 @@ def test_sparrow_costs_and_the_projection(tmp_path):
     assert row["round_ms"] == row["tree_verify_ms"] + row["head_tree_ms"] + row["head_step_ms"]
     assert abs(row["projected"][4.0] - 2 * row["projected"][2.0]) < 1e-9
     assert "projected speedup at τ = 2 / 4" in (tmp_path / "table.md").read_text()
+
+
+def test_paths_and_the_profile_of_a_step(tmp_path):
+    """Several decode paths timed on one cache (the compiled one built and warmed on first use),
+    each with a profile of its step; the cache is as long after the profile as before."""
+    results = run_benchmark([SMALLER], [256], device="cpu", dtype="float32", steps=2, repeats=1, ks=(2,),
+                            paths=("lean", "compiled"), profile=True, out=tmp_path)
+    (row,) = results["models"][SMALLER]["contexts"].values()
+    assert set(row["step_ms_by_path"]) == {"lean", "compiled"} and row["path"] == "compiled"
+    assert set(row["profile"]) == {"lean", "compiled"}
+    assert "aten::" in row["profile"]["lean"]
+    assert "## qwen2.5-vl-7b" in (tmp_path / "profile.md").read_text()
