@@ -48,6 +48,8 @@ def main(cfg: DictConfig) -> float | None:
             sys.exit(2)
         (run_dir / "metrics.json").write_text(json.dumps({"experiment": cfg.get("experiment"), **result}, indent=2))
         return result["train_s"]
+    if cfg.get("eval"):       # +experiment=lmms_eval: lmms-eval's evaluator with reelflow as its model
+        return _evaluate(cfg, run_dir)
     try:
         requests = load_requests(cfg.get("data"))
         metrics = run_job(cfg, requests, run_dir)
@@ -69,6 +71,29 @@ def main(cfg: DictConfig) -> float | None:
         print(metrics["output_text"])
     log.info("wall %.3f s (ideal overlapped %.3f s); outputs in %s",
              metrics["wall_s"], metrics["ideal_wall_s"], run_dir)
+    return metrics["wall_s"]
+
+
+def _evaluate(cfg: DictConfig, run_dir: Path) -> float:
+    from graph.executor import StageFailed
+
+    try:
+        from evaluation.job import run_lmms_eval
+    except ImportError as e:
+        print(f"reelflow: +experiment=lmms_eval needs lmms-eval ({e}): pip install -e '.[eval]'", file=sys.stderr)
+        sys.exit(2)
+    from evaluation.config import ModelArgsError
+
+    try:
+        metrics = run_lmms_eval(cfg, run_dir)
+    except ModelArgsError as e:
+        print(f"reelflow: {e}", file=sys.stderr)
+        sys.exit(2)
+    except StageFailed as e:
+        (run_dir / "error.txt").write_text(f"{e}\n\n{e.traceback_text}")
+        print(f"reelflow: run failed: {e}\n  (traceback in {run_dir / 'error.txt'})", file=sys.stderr)
+        sys.exit(1)
+    log.info("%d answers in %.1f s; outputs in %s", metrics["n_answers"], metrics["wall_s"], run_dir)
     return metrics["wall_s"]
 
 

@@ -184,7 +184,7 @@ def sparrow_costs(lm, cache, layout, token: int, position: int, repeats: int, *,
     cache of `text` tokens (VATA: it does not grow with the video) takes one step (a catch-up row)
     and drafts a `total`-`depth`-`topk` dynamic tree; the target verifies a tree of `total` nodes
     over its whole cache. Medians of `repeats` + 1 (the first untimed)."""
-    from models.compiled_step import uncaptured_mode
+    from models.steps import uncaptured_mode
     from models.sparrow import HeadCache, SparrowConfig, SparrowHead
     from speculative.head_draft import draft_tree, grower, warm_tree
     from speculative.tree import bushy_tree, tree_depths, tree_mask
@@ -237,7 +237,7 @@ def decode_path(lm, path: str):
     if path == "forward":
         lm.lean = None
     elif path != "lean":
-        from models.compiled_step import build_step
+        from models.steps import build_step
 
         mode = "default" if path == "compiled" else path
         steps = lm.__dict__.setdefault("_bench_steps", {})

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from models.compiled_step import CAPTURED, build_step
+from models.steps import CAPTURED, build_step
 
 log = logging.getLogger("reelflow.models")
 

@@ -30,28 +30,7 @@ import torch
 
 from models.compiling import call_at_warmed_threads, record_compile, set_threads, thread_counts
 
-MODES = ("off", "default", "max-autotune-no-cudagraphs")   # model.<role>.compile, besides "auto" (compile_auto)
-CAPTURED = ("cudagraph", "reduce-overhead")                # CUDA graphs: models.captured_step
-SETTINGS = ("auto",) + MODES + CAPTURED
-
-
-def build_step(lean, mode: str):
-    """The step object for a compile setting other than "off" and "auto": a CompiledStep, or a
-    models.captured_step.CapturedStep for the CUDA-graph modes."""
-    if mode in CAPTURED:
-        from models.captured_step import CapturedStep
-
-        return CapturedStep(lean, mode)
-    return CompiledStep(lean, mode)
-
-
-def uncaptured_mode(mode: str) -> str:
-    """The torch.compile mode for functions that are compiled but not captured beside a step in
-    `mode` (the Sparrow head's tree, whose shapes follow its own cache): inductor's default for
-    the CUDA-graph modes."""
-    return "default" if mode in CAPTURED else mode
-
-
+MODES = ("off", "default", "max-autotune-no-cudagraphs")   # model.<role>.compile, besides "auto" and the captured
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     mask: torch.Tensor, scaling: float, held: torch.Tensor | None = None) -> torch.Tensor:
     """q [H, n, hd]; k, v [KV, m, hd] (the new tokens', m ≥ n when rows drafted earlier come

@@ -49,7 +49,7 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
     "reduce-overhead": models.captured_step, captured here), or "auto": whichever measures fastest
     on this device (measured once, then remembered: models.compile_auto)."""
     from models.compile_auto import choose_mode
-    from models.compiled_step import CAPTURED, SETTINGS, build_step
+    from models.steps import CAPTURED, SETTINGS, build_step
 
     if compile not in SETTINGS:
         raise ModelError(f"compile={compile!r}: use one of {', '.join(SETTINGS)}")

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from models.compiled_step import uncaptured_mode
+from models.steps import uncaptured_mode
 from models.compiling import call_at_warmed_threads, record_compile, set_threads, thread_counts
 from models.sparrow import HeadCache, SparrowHead
 from speculative.protocol import DraftInfo, Proposal, Timer, Verdict

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 README_MAX_LINES = 300
 # The product's text: what a user reads or runs. Tests are not in it (they may name anything).
-PRODUCT = ["README.md", "docs", "conf", "graph", "job", "stages", "models", "video", "zoo", "bench", "tools", "run.py",
+PRODUCT = ["README.md", "docs", "conf", "graph", "job", "stages", "models", "video", "zoo", "bench", "tools", "evaluation", "run.py",
            "pyproject.toml", ".ci"]
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".txt", ".jinja", ""}
 # history belongs to git and dated pages, not to the product: "session 12", "issue 4";

@@ -33,7 +33,7 @@ from zoo.world import (
     _pick,
 )
 
-__all__ = ["caption", "prompts", "parse", "score", "score_reference", "vocabulary"]
+__all__ = ["caption", "clause", "colors_at_end", "prompts", "parse", "score", "score_reference", "vocabulary"]
 
 
 
@@ -51,7 +51,8 @@ def vocabulary() -> list[str]:
     return words
 
 
-def _clause(e: Event) -> str:
+def clause(e: Event) -> str:
+    """The one clause of the grammar that states event `e`."""
     if e.kind == "background":   # the first background is stated, later ones are changes
         return f"the background {'is' if e.time == 0 else 'turns'} {e.change} ."
     if e.kind == "appear":
@@ -61,7 +62,7 @@ def _clause(e: Event) -> str:
 
 def caption(truth: Truth) -> str:
     """The reference description: one clause per event, in time order ('' when there are none)."""
-    return " ".join(_clause(e) for e in truth.events)
+    return " ".join(clause(e) for e in truth.events)
 
 
 def prompts(truth: Truth, rng) -> list[tuple[str, str]]:
@@ -78,14 +79,14 @@ def prompts(truth: Truth, rng) -> list[tuple[str, str]]:
         i = _pick(rng, unique)
         rest = caption(Truth(truth.seconds, events[i + 1:]))
         pairs.append((f"what happened after the {events[i].color} {events[i].shape} appeared ?", rest or "nothing ."))
-    final = _colors_at_end(truth)
+    final = colors_at_end(truth)
     if final:
         shape = _pick(rng, sorted(final))
         pairs.append((f"what color is the {shape} at the end ?", f"{final[shape]} ."))
     return pairs
 
 
-def _colors_at_end(truth: Truth) -> dict[str, str]:
+def colors_at_end(truth: Truth) -> dict[str, str]:
     """shape -> color of each object on screen at the end (shapes on screen are distinct)."""
     on_screen: dict[int, list[str]] = {}
     for e in truth.events:
@@ -105,8 +106,8 @@ def parse(text: str) -> list[tuple[str, ...]]:
     or ','; a clause that is not exactly one of the grammar's forms (an unknown word, a missing
     or extra word) states nothing."""
     keys = []
-    for clause in re.split(r"[.?!;,]", text.lower()):
-        match clause.split():
+    for part in re.split(r"[.?!;,]", text.lower()):
+        match part.split():
             case ["the", "background", "is" | "turns", kind] if kind in BACKGROUNDS:
                 keys.append(("background", kind))
             case ["a", size, color, shape, "appears"] if size in SIZES and color in COLORS and shape in SHAPES:

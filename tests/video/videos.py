@@ -17,8 +17,10 @@ Run the self-test explicitly (the file name is not ``test_*.py``)::
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 from collections import deque
 from fractions import Fraction
 from pathlib import Path
@@ -162,9 +164,32 @@ def _encode(path: Path, fmt: str, codec: str, *, options: dict[str, str] | None 
             os.sched_setscheduler(0, policy, param)
 
 
+# PyAV writes a display matrix (set_display_rotation) from version 16; lmms-eval's extra installs
+# PyAV 15, which cannot. There the rotated case is this file, written by this function with PyAV 16+
+# (write_rotated_fixture), and its encoder-side facts beside it.
+ROTATED_FIXTURE = Path(__file__).resolve().parent / "data" / "rotated-h264.mp4"
+
+
+def _can_write_rotation() -> bool:
+    return int(av.__version__.split(".")[0]) >= 16
+
+
+def write_rotated_fixture() -> None:
+    """Rewrite ROTATED_FIXTURE (and its facts) with this PyAV: `python -c "from tests.video.videos
+    import write_rotated_fixture; write_rotated_fixture()"` (needs PyAV 16+)."""
+    assert _can_write_rotation(), "writing a display matrix needs PyAV 16+"
+    ROTATED_FIXTURE.parent.mkdir(parents=True, exist_ok=True)
+    facts = _BUILD["rotated"](ROTATED_FIXTURE)
+    ROTATED_FIXTURE.with_suffix(".json").write_text(json.dumps(facts) + "\n")
+
+
 def _encode_frames(path: Path, fmt: str, codec: str, *, options: dict[str, str] | None,
                    pts: list[int] | None, time_base: Fraction, gop_size: int | None, rotation: int,
                    audio: bool) -> dict:
+    if rotation and not _can_write_rotation():
+        assert rotation == 90 and fmt == "mp4" and not audio, "only the rotated case is shipped"
+        shutil.copyfile(ROTATED_FIXTURE, path)
+        return json.loads(ROTATED_FIXTURE.with_suffix(".json").read_text())
     pts = pts if pts is not None else list(range(N_FRAMES))
     keyframes = 0
     os.environ.setdefault("SVT_LOG", "1")  # SVT-AV1 prints its banner to stderr otherwise
@@ -348,7 +373,7 @@ def make_two_video_streams(path: Path) -> dict:
         main.options = {"preset": "veryfast", "x264-params": _X264.format(k=24) + ":bframes=2"}
         # mp4 flags the first track of a kind as default unless told otherwise; FFmpeg's choice
         # of the best stream prefers the default one
-        main.disposition = av.stream.Disposition.default
+        main.disposition = av.stream.Disposition.default.value    # an int: PyAV 15 takes no Flag here
         for i in range(N_FRAMES):
             for stream, rgb in ((preview, preview_rgb(i)), (main, frame_rgb(i))):
                 frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")

@@ -157,7 +157,7 @@ def grounding_mask(truth: toy.Truth, answer: str, tokens: list[list[int]], answe
         return mask
     offset = answer_at
     for i in stated:
-        n = len(captions._clause(truth.events[i]).split())
+        n = len(captions.clause(truth.events[i]).split())
         if tokens[i]:
             where = torch.tensor(tokens[i]) + video_at
             for q in range(offset - 1, offset + n - 1):

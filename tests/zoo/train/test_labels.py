@@ -72,7 +72,7 @@ def test_grounding_marks_each_clauses_tokens_with_its_events_cells():
     assert answer_events(truth, "red .") is None
     answer_at, video_at, width = 300, 5, 400
     mask = grounding_mask(truth, captions.caption(truth), tokens, answer_at, video_at, width)
-    first, second = (len(captions._clause(e).split()) for e in truth.events[:2])
+    first, second = (len(captions.clause(e).split()) for e in truth.events[:2])
     assert mask[answer_at - 1].nonzero().flatten().tolist() == [video_at + t for t in tokens[0]]
     assert mask[answer_at + first - 2].nonzero().flatten().tolist() == [video_at + t for t in tokens[0]]
     assert mask[answer_at + first - 1].nonzero().flatten().tolist() == [video_at + t for t in tokens[1]]

@@ -1,0 +1,36 @@
+"""A torchvision that cannot load is hidden from transformers, so that reelflow still loads models.
+
+On a machine with the CPU build of torch, the torchvision wheels on PyPI are CUDA builds: their
+compiled operators need libtorch_cuda and fail to load, and importing torchvision then raises
+("operator torchvision::nms does not exist"). transformers imports torchvision whenever the
+package is installed (its image utilities prefer it), so one such wheel, pulled in by another
+package's requirements (lmms-eval's, say), would stop every model from loading. reelflow does not
+use torchvision; when it is installed but does not import, it is marked absent for this process
+(`sys.modules["torchvision"] = None`: transformers then uses its PIL image processors, as on a
+machine without it) and a warning says how to install a working one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+
+log = logging.getLogger("reelflow.models")
+
+
+def hide_unloadable_torchvision() -> bool:
+    """Mark torchvision absent when it is installed but does not import. Returns whether it did."""
+    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is None:
+        return False
+    try:
+        import torchvision  # noqa: F401
+    except Exception as e:          # a CUDA build beside a CPU torch raises RuntimeError, not ImportError
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        sys.modules["torchvision"] = None
+        log.warning("torchvision is installed but does not load (%s); it is hidden from transformers for this "
+                    "process. For a working one beside the CPU torch: pip install torchvision --index-url "
+                    "https://download.pytorch.org/whl/cpu", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return True
+    return False

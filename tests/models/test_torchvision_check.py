@@ -1,0 +1,33 @@
+"""A torchvision that is installed but cannot load is hidden from transformers
+(models.torchvision_check); one that loads, or none, is left alone. Each case runs in a fresh
+interpreter with a stand-in torchvision package first on its path."""
+
+import subprocess
+import sys
+import textwrap
+
+
+def _check(tmp_path, body: str) -> str:
+    package = tmp_path / "torchvision"
+    package.mkdir()
+    (package / "__init__.py").write_text(body)
+    code = textwrap.dedent("""
+        import importlib.util, sys
+        import models      # the package runs the check when first imported
+        print(sys.modules.get("torchvision", "absent") is None, importlib.util.find_spec("torchvision") is None)
+        import transformers.utils.import_utils as iu
+        print(iu.is_torchvision_available())
+    """)
+    done = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": f"{tmp_path}:.", "PATH": ""},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_an_unloadable_torchvision_is_hidden(tmp_path):
+    out = _check(tmp_path, 'raise RuntimeError("operator torchvision::nms does not exist")\n')
+    assert out == ["True", "True", "False"]
+
+
+def test_a_loadable_torchvision_stays(tmp_path):
+    assert _check(tmp_path, '__version__ = "0.0"\n')[:2] == ["False", "False"]
