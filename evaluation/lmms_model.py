@@ -80,6 +80,7 @@ class Reelflow(lmms):
 
         start, in_jobs = time.perf_counter(), 0.0
         rows = [self._row(req.args) for req in requests]
+        in_tasks = sum(row["visual_s"] for row in rows)    # the task's own doc_to_visual (may make the video)
         answers: list[GenerationResult | None] = [None] * len(rows)
         groups: dict[tuple, list[int]] = {}
         for i, row in enumerate(rows):
@@ -96,7 +97,7 @@ class Reelflow(lmms):
             per_run = metrics.get("runs") or [metrics]        # one request: its figures are the metrics' own
             for i, run in zip(members, per_run):
                 runs[i] = run
-        plugin_s = (time.perf_counter() - start - in_jobs) / max(1, len(rows))
+        plugin_s = (time.perf_counter() - start - in_jobs - in_tasks) / max(1, len(rows))
         for i, row in enumerate(rows):
             run = runs[i]
             text = _cut(run.get("output_text") or "", row["until"])
@@ -110,7 +111,9 @@ class Reelflow(lmms):
 
     def _row(self, args: tuple) -> dict:
         context, gen_kwargs, doc_to_visual, doc_id, task, split = args
+        t0 = time.perf_counter()
         visuals = doc_to_visual(self.task_dict[task][split][doc_id])
+        visual_s = time.perf_counter() - t0
         visuals = visuals if isinstance(visuals, list) else [visuals]
         videos = [v for v in visuals if isinstance(v, (str, Path))]
         if len(videos) != 1 or len(visuals) != 1:
@@ -122,7 +125,7 @@ class Reelflow(lmms):
                    float(gen_kwargs.get("temperature", 0) if gen_kwargs.get("do_sample", True) else 0))
         return {"id": f"{task}/{doc_id}", "task": task, "doc_id": doc_id, "video": str(videos[0]), "prompt": context,
                 "gen_kwargs": gen_kwargs, "until": [until] if isinstance(until, str) else list(until),
-                "setting": setting}
+                "setting": setting, "visual_s": visual_s}
 
     def _cfg_for(self, setting: tuple[int, float]):
         max_new_tokens, temperature = setting

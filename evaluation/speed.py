@@ -19,7 +19,8 @@ def sample_speed(run: dict, *, method: str, plugin_s: float) -> dict:
     """One answer's speed from its request's metrics: time to the first token, decode tokens per
     second (the tokens after the first over the time after it), wall time, tokens generated, and
     for speculative methods the tokens committed per round (M, the papers' τ) and the acceptance
-    rate; plugin_s: what the lmms-eval backend itself spent on this answer outside reelflow's run."""
+    rate; plugin_s: what the lmms-eval backend itself spent on this answer outside reelflow's run
+    (and outside the task's own functions, such as its doc_to_visual)."""
     meta = run.get("tokens_meta") or {}
     n, ttft, decode = run.get("n_generated"), run.get("ttft_s"), run.get("decode_s")
     rate = (n - 1) / decode if n and n > 1 and decode else None
