@@ -37,6 +37,12 @@ def model_arg_string(args: dict) -> str:
     return ",".join(f"{k}={hydra_value(v)}" for k, v in args.items())
 
 
+def _answer(sample: dict) -> str:
+    """A logged sample's (first) answer: a list in the samples lmms-eval returns, a string in its files."""
+    resps = sample.get("filtered_resps") or [""]
+    return resps if isinstance(resps, str) else str(resps[0])
+
+
 def digest(answers: list[str]) -> str:
     """A short fingerprint of the answers in order: two runs with equal digests answered alike."""
     return hashlib.sha256("\n\x00".join(answers).encode()).hexdigest()[:12]
@@ -72,7 +78,7 @@ def run_lmms_eval(cfg: DictConfig, run_dir: Path) -> dict:
     (run_dir / "results.json").write_text(json.dumps(results, indent=1, default=str))
     records = [s["token_counts"][0]["reelflow"] for rows in samples.values() for s in rows
                if s.get("token_counts") and s["token_counts"][0] and s["token_counts"][0].get("reelflow")]
-    answers = [s["filtered_resps"][0] if s.get("filtered_resps") else "" for rows in samples.values() for s in rows]
+    answers = [_answer(s) for rows in samples.values() for s in rows]
     score = {task: {k.split(",")[0]: v for k, v in metrics.items()
                     if isinstance(v, (int, float)) and "stderr" not in k and k != "alias"}
              for task, metrics in results.get("results", {}).items()}

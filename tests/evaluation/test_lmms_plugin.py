@@ -49,6 +49,12 @@ def _job(sweep: Path, method: str) -> Path:
     raise AssertionError(f"no {method} job in {sweep}")
 
 
+def _answer(sample: dict) -> str:
+    """A logged sample's answer: lmms-eval's files hold it as a string, its returned samples as a list."""
+    resps = sample["filtered_resps"]
+    return resps if isinstance(resps, str) else resps[0]
+
+
 def _reelflow_own_answers(docs: list[dict]) -> list[str]:
     """The same questions answered by reelflow's job runner directly (no lmms-eval)."""
     from evaluation.config import compose_config
@@ -115,6 +121,21 @@ def test_lmms_evals_own_command_line(tmp_path):
     rows = [json.loads(line) for line in samples[0].read_text().splitlines()]
     assert len(rows) == 2 and all(r["token_counts"][0]["reelflow"]["ttft_s"] > 0 for r in rows)
     assert (tmp_path / "reelflow" / "speed.json").is_file()
+
+
+def test_on_ray_the_answers_are_the_same(sweep, tmp_path):
+    """`cluster=ray` in model_args: the requests run on a pool of Ray workers, with the answers
+    the local runner gave."""
+    done = _run("-m", "evaluation", "--model", "reelflow", "--model_args",
+                f"experiment=ar,cluster=ray,cluster.workers=1,run_dir={tmp_path / 'reelflow'}", "--tasks",
+                "reelflow_toy", "--include_path", "evaluation/tasks", "--limit", "2", "--log_samples", "--output_path",
+                str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    samples = next((tmp_path / "out").rglob("*samples_reelflow_toy*.jsonl"))
+    rows = [json.loads(line) for line in samples.read_text().splitlines()]
+    local = [json.loads(line) for line in (_job(sweep, "ar") / "samples_reelflow_toy.jsonl").read_text().splitlines()]
+    assert [_answer(r) for r in rows] == [_answer(r) for r in local[:2]]
+    assert json.loads((tmp_path / "reelflow" / "metrics.json").read_text())["cluster"]["kind"] == "ray"
 
 
 @pytest.mark.parametrize("args, message", [
