@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Reference decoders for the decode benchmarks and tests: torchcodec (links the system's FFmpeg
-# shared libraries) and decord (bundles its own FFmpeg 4.1). Installs into the active virtualenv:
+# shared libraries) and decord2 (the maintained fork of decord, its own FFmpeg bundled). Installs
+# into the active virtualenv:
 #
 #     . .venv/bin/activate && bash .ci/reference-decoders.sh
 #
@@ -15,12 +16,12 @@
 #   libc10_cuda.so and libtorch_cuda.so and fail to import next to a CPU torch ("OSError:
 #   libnvrtc.so.13: cannot open shared object file"). CPU builds of those live only on
 #   download.pytorch.org/whl/cpu (TORCHCODEC_INDEX below, for machines that can reach it).
-# - decord 0.6.0 (manylinux2010 wheel, any Python 3): works with numpy 2.x. eva-decord 0.6.1 is
-#   a drop-in alternative (same `decord` module; install one or the other, never both).
+# - decord2 3.4.0 (manylinux_2_28 wheel, CPU): the maintained fork of decord, whose last release
+#   (0.6.0) is from 2021. Both install the module `decord`, so an old `decord` is removed first.
 set -euo pipefail
 
 TORCHCODEC_VERSION=${TORCHCODEC_VERSION:-0.13.0}
-DECORD_VERSION=${DECORD_VERSION:-0.6.0}
+DECORD_VERSION=${DECORD_VERSION:-3.4.0}      # of decord2
 TORCHCODEC_INDEX=${TORCHCODEC_INDEX:-}     # e.g. https://download.pytorch.org/whl/cpu for torchcodec>=0.14
 
 PY=${PYTHON:-python}
@@ -80,7 +81,13 @@ except m.PackageNotFoundError: pass' "$1"
 }
 want=()
 [ "$(installed torchcodec)" = "$TORCHCODEC_VERSION" ] || want+=("torchcodec==$TORCHCODEC_VERSION")
-[ "$(installed decord)" = "$DECORD_VERSION" ] || want+=("decord==$DECORD_VERSION")
+[ "$(installed decord2)" = "$DECORD_VERSION" ] || want+=("decord2==$DECORD_VERSION")
+if [ -n "$(installed decord)" ]; then      # the unmaintained package of the same module
+    echo "reference-decoders: pip uninstall decord $(installed decord) (decord2 replaces it)"
+    "$PY" -m pip uninstall -q -y decord
+    [ -n "$(installed decord2)" ] && want+=("decord2==$DECORD_VERSION" --force-reinstall --no-deps)
+    changed=1
+fi
 if [ ${#want[@]} -gt 0 ]; then
     echo "reference-decoders: pip install ${want[*]}"
     extra=()
@@ -92,7 +99,7 @@ fi
 # --- check after a change (or with REFERENCE_DECODERS_CHECK=1; it costs ~3 s of torch import):
 # both import and torchcodec found its FFmpeg ---
 if [ "$changed" = 0 ] && [ "${REFERENCE_DECODERS_CHECK:-0}" != 1 ]; then
-    echo "reference-decoders: torchcodec $TORCHCODEC_VERSION and decord $DECORD_VERSION already installed"
+    echo "reference-decoders: torchcodec $TORCHCODEC_VERSION and decord2 $DECORD_VERSION already installed"
     exit 0
 fi
 "$PY" - <<'EOF'
@@ -100,5 +107,5 @@ import decord
 import torchcodec
 from torchcodec.decoders import VideoDecoder  # noqa: F401
 print(f"reference-decoders: torchcodec {torchcodec.__version__} (FFmpeg {torchcodec.ffmpeg_major_version}), "
-      f"decord {decord.__version__}")
+      f"decord2 {decord.__version__}")
 EOF
