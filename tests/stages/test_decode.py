@@ -62,12 +62,14 @@ def run_stage(stage: str, path, **params):
     return groups, info
 
 
-@pytest.mark.parametrize("stage", ["PyAVDecoder", "TorchCodecDecoder", "DecordDecoder"])
-def test_reference_decoders_give_the_same_selection(stage, videos):
+@pytest.mark.parametrize("stage, params", [("PyAVDecoder", {}), ("TorchCodecDecoder", {}),
+                                           ("TorchCodecDecoder", {"seek_mode": "exact"}), ("DecordDecoder", {})])
+def test_reference_decoders_give_the_same_selection(stage, params, videos):
     """Same frames and timestamps as PyAV's; torchcodec/decord convert and resize their own way,
-    so their pixels are compared loosely. A decoder that is not installed fails here, loudly."""
+    so their pixels are compared loosely. A decoder that is not installed fails here, loudly.
+    torchcodec with approximate seek (its advised setting) and exact seek (its default) alike."""
     path = str(videos["h264_closed_gop"]["path"])
-    groups, info = run_stage(stage, path, fps=4, size=None, group_frames=5, workers=1)
+    groups, info = run_stage(stage, path, fps=4, size=None, group_frames=5, workers=1, **params)
     got = torch.cat([g.frames for g in groups])
     want, want_s = reference(path, fps=4, size=None)
     assert torch.equal(torch.cat([g.seconds for g in groups]), want_s) and info.selected == len(want)
