@@ -17,7 +17,7 @@ reelflow's cache (zoo.videos.ensure_video, the held-out seeds); questions.jsonl,
     python -m evaluation.toy_task          # rewrites evaluation/tasks/reelflow_toy/questions.jsonl
 
 carries everything else (seed, length, fps, size, the question, its options and answer), so the
-shipped file and the videos it names are reproducible from the seeds alone.
+shipped file and the videos it names are reproducible from their random seeds alone.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from zoo.world import COLORS, make_world
 
 TASK_DIR = Path(__file__).resolve().parent / "tasks" / "reelflow_toy"
 QUESTIONS = TASK_DIR / "questions.jsonl"
-SEEDS = tuple(range(8))          # held-out: below the seeds the zoo trains on (zoo.videos.held_out_requests)
+SEEDS = tuple(range(8))          # held-out random seeds: below those the zoo trains on (zoo.videos.held_out_requests)
 SECONDS, FPS, SIZE = 30.0, 2.0, 84
 LETTERS = "ABCD"
 

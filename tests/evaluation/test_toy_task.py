@@ -1,6 +1,6 @@
 """The local lmms-eval task's questions and their exact scoring (evaluation.toy_task): an answer
 that tells the truth picks the right option for every shipped question, a wrong one does not, and
-the shipped questions are what the seeds make."""
+the shipped questions are what their random seeds make."""
 
 import json
 
