@@ -183,7 +183,6 @@ class CapturedStep:
                              [v[0] for _, v in buffers], bucket.lengths, self._indices, bucket.mask, self._layer)
 
     def _capture(self, bucket: _Bucket, key, buffers) -> None:
-        t0 = time.perf_counter()
         device = bucket.embeds.device
         reserved = torch.cuda.memory_reserved(device)
         side = torch.cuda.Stream(device)
@@ -205,7 +204,6 @@ class CapturedStep:
             oldest.graphs.popitem(last=False)
         self.captures += 1
         self.capture_bytes += max(0, torch.cuda.memory_reserved(device) - reserved)
-        self.last_capture_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------------- warm-up
 
