@@ -18,13 +18,18 @@
 #              path (eager lean, captured, captured inductor kernels) against its floor and
 #              transformers' static cache + torch.compile, verifications, Sparrow's round, and
 #              torch.profiler's table of a step per path (what the step's time is spent on);
-#   toy        bench_sparrow on the GPU with captured steps: ar, sparrow, vanilla_sd, parallelvlm.
-# Writes OUT/log.txt (everything printed), realsize.json / .md, profile.md, toy_report.md / .csv;
-# bench_realsize writes after each context, so a part cut short keeps what it measured.
+#   toy        bench_sparrow on the GPU with captured steps: ar, sparrow, vanilla_sd, parallelvlm;
+#   figure5    QuickVideo's Figure 5 at real size (bench_quickvideo_gpu, ~5 min on an H100): not in
+#              the default set, which fills one call; run it in a second call with PARTS=figure5.
+# PARTS (environment): which parts run, always in the order above (default "exactness realsize toy").
+# Writes OUT/log.txt (everything printed), realsize.json / .md, profile.md, toy_report.md / .csv,
+# figure5.md / .csv; bench_realsize writes after each context, so a part cut short keeps what it measured.
 set -u
 WHEELS=${1:-.gpu/wheels}
 OUT=${2:-${OUT:-outputs/gpu/$(date +%F_%H-%M-%S)}}
 BUDGET=${3:-540}
+PARTS=${PARTS:-exactness realsize toy}
+wanted() { [[ " $PARTS " == *" $1 "* ]]; }
 start=$(date +%s)
 mkdir -p "$OUT"
 log="$OUT/log.txt"
@@ -33,6 +38,7 @@ left() { echo $(( BUDGET - ($(date +%s) - start) )); }
 part() {        # part NAME SECONDS COMMAND...: run COMMAND within min(SECONDS, what is left)
     local name=$1 limit=$2 l rc t0
     shift 2
+    wanted "$name" || return 0
     l=$(left)
     (( limit > l )) && limit=$l
     if (( limit < 30 )); then
@@ -66,4 +72,8 @@ part toy 200 python3 -m run -m +experiment=bench_sparrow resources=gpu method=ar
     model.target.compile=cudagraph model.draft.compile=cudagraph hydra.sweep.dir="$tmp/toy"
 [ -f "$tmp/toy/report.md" ] && cp "$tmp/toy/report.md" "$OUT/toy_report.md"
 [ -f "$tmp/toy/report.csv" ] && cp "$tmp/toy/report.csv" "$OUT/toy_report.csv"
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True part figure5 480 python3 -m run -m +experiment=bench_quickvideo_gpu \
+    hydra.sweep.dir="$tmp/figure5"
+[ -f "$tmp/figure5/report.md" ] && cp "$tmp/figure5/report.md" "$OUT/figure5.md"
+[ -f "$tmp/figure5/report.csv" ] && cp "$tmp/figure5/report.csv" "$OUT/figure5.csv"
 echo "== done after $(( $(date +%s) - start )) s; results in $OUT" | tee -a "$log"
