@@ -9,8 +9,10 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -65,8 +67,6 @@ def _reelflow_own_answers(docs: list[dict]) -> list[str]:
     cfg = compose_config({"experiment": "ar", "model": "toy_qwen", "graph.max_new_tokens": 64})
     requests = [Request(id=d["id"], video=str(ensure_video(d["seed"], d["seconds"], d["fps"], d["size"])[0]),
                         prompt=d["prompt"]) for d in docs]
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         metrics = run_job(cfg, requests, Path(tmp))
     return [r["output_text"] for r in metrics.get("runs") or [metrics]]
@@ -147,7 +147,7 @@ def test_bad_model_args_give_one_clear_message(args, message):
     from evaluation.config import ModelArgsError
     from evaluation.lmms_model import Reelflow
 
-    with pytest.raises(ModelArgsError, match=message.replace("=", "=")) as e:
+    with pytest.raises(ModelArgsError, match=re.escape(message)) as e:
         Reelflow.create_from_arg_string(args)
     assert "\n" not in str(e.value)
 
