@@ -18,7 +18,7 @@ from hydra.utils import get_method
 from graph.spec import ConfigError
 from graph.stage import Out, Stage
 from stages.types import Request
-from video.bench import check_bench_video, ensure_bench_video
+from video.bench import check_bench_video, check_codec, ensure_bench_video
 
 VIDEO_SUFFIXES = {".mp4", ".mkv", ".webm", ".mov", ".avi", ".ts", ".m4v", ".flv"}
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,19 +99,22 @@ class Source(Stage):
 
 
 class BenchVideo(Stage):
-    """Emits a Request for the cached benchmark video (generated on first use in setup)."""
+    """Emits a Request for the cached benchmark video (generated on first use in setup).
+    codec: "h264" or "hevc"; bframes: B-frames between references (null: the encoder's default)."""
 
     outputs = {"request": Out(Request)}
 
     def __init__(self, minutes: float = 1.0, width: int = 1280, height: int = 720, fps: int = 24, gop_s: float = 2.0,
-                 seed: int = 0):
+                 seed: int = 0, codec: str = "h264", bframes: int | None = None):
         check_bench_video(minutes, width, height, fps, gop_s)
+        check_codec(codec, bframes)
         self.minutes, self.width, self.height, self.fps, self.gop_s, self.seed = minutes, width, height, fps, gop_s, seed
+        self.codec, self.bframes = codec, bframes
         self.path: Path | None = None
 
     def setup(self, ctx) -> None:
         self.path = ensure_bench_video(self.minutes, width=self.width, height=self.height, fps=self.fps,
-                                       gop_s=self.gop_s, seed=self.seed)
+                                       gop_s=self.gop_s, seed=self.seed, codec=self.codec, bframes=self.bframes)
 
     def __call__(self, ctx):
         return {"request": Request(id=f"bench-{self.minutes}min", video=str(self.path), prompt=None)}

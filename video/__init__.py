@@ -1,6 +1,6 @@
 """Video library code: QuickCodec (`read_video`, `video.quickcodec`), the packet scan and decode
 tasks its processes run (`video.codec`), the records a decoder returns (`video.frames`: FrameGroup,
-VideoInfo), the H.264 writer (`video.h264`) and the synthetic benchmark video (`video.bench`).
+VideoInfo), the H.264 / HEVC writer (`video.encode`) and the synthetic benchmark video (`video.bench`).
 Nothing here is a stage; `stages.decode` wraps it for graphs, and `stages.types` re-exports the
 records as port types.
 

@@ -23,8 +23,8 @@ precomputed background planes (one per quarter-pixel phase), the moving texture 
 pasted from precomputed frames and sprites, and noise is one of a few precomputed noise planes
 added with uint8 wrap-around (every pixel is kept in 16..235, so noise and exposure never wrap),
 so rendering stays far cheaper than encoding. The encoder is libx264 (preset veryfast, crf 23,
-B-frames as x264's defaults, a keyframe exactly every `gop_s` seconds, no scene-cut keyframes)
-with frame threads, so it runs on its own threads while the next frame is rendered; it is the
+B-frames as x264's defaults, a keyframe exactly every `gop_s` seconds, no scene-cut keyframes),
+or libx265 for `codec="hevc"` (crf 28, its default), with frame threads, so it runs on its own threads while the next frame is rendered; it is the
 bottleneck (the long benchmark videos take minutes to make, once).
 
 The file name holds every parameter plus GEN_VERSION (bump it when the content changes). The
@@ -45,14 +45,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from video.h264 import encode_h264
+from video.encode import ENCODERS, encode_video
 
 log = logging.getLogger(__name__)
 __all__ = ["ensure_bench_video", "bench_video_path", "render_frames", "check_bench_video", "GEN_VERSION"]
 
 GEN_VERSION = 1
 PRESET = "veryfast"
-CRF = 23
+CRF = {"h264": 23, "hevc": 28}   # each encoder's default quality: x265's 28 looks about like x264's 23
 NOISE_PLANES = 16
 NOISE_SIGMA = 2.0         # sensor noise on luma, in 8-bit levels
 DYN_STEPS = 12            # frames of the moving-texture loop (played forwards and back)
@@ -82,32 +82,46 @@ def check_bench_video(minutes: float, width: int, height: int, fps: int, gop_s: 
     return frames, gop
 
 
+def check_codec(codec: str, bframes: int | None) -> None:
+    if codec not in CRF:
+        raise ValueError(f"codec={codec!r}: the benchmark videos are {' or '.join(sorted(CRF))}")
+    if bframes is not None and (isinstance(bframes, bool) or not 0 <= int(bframes) <= 16):
+        raise ValueError(f"bframes={bframes!r}: give 0-16 B-frames between references, or null for the encoder's default")
+
+
 def bench_video_path(minutes: float, *, width: int = 1280, height: int = 720, fps: int = 24, gop_s: float = 2.0,
-                     seed: int = 0, cache_dir: str | os.PathLike | None = None) -> Path:
+                     seed: int = 0, codec: str = "h264", bframes: int | None = None,
+                     cache_dir: str | os.PathLike | None = None) -> Path:
     """Where `ensure_bench_video` keeps the video for these parameters (it may not exist yet)."""
     frames, gop = check_bench_video(minutes, width, height, fps, gop_s)
+    check_codec(codec, bframes)
+    encoder = ENCODERS[codec][0].removeprefix("lib")
+    b_frames = "" if bframes is None else f"-bf{int(bframes)}"
     name = (f"bench-{minutes:g}min-{frames}f-{width}x{height}-{fps}fps-gop{gop}-seed{seed}"
-            f"-x264{PRESET}crf{CRF}-v{GEN_VERSION}.mp4")
+            f"-{encoder}{PRESET}crf{CRF[codec]}{b_frames}-v{GEN_VERSION}.mp4")
     return cache_root(cache_dir) / name
 
 
 def ensure_bench_video(minutes: float, *, width: int = 1280, height: int = 720, fps: int = 24, gop_s: float = 2.0,
-                       seed: int = 0, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cached benchmark video for these parameters, generated first if it is not there."""
-    path = bench_video_path(minutes, width=width, height=height, fps=fps, gop_s=gop_s, seed=seed, cache_dir=cache_dir)
+                       seed: int = 0, codec: str = "h264", bframes: int | None = None,
+                       cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cached benchmark video for these parameters, generated first if it is not there.
+    codec: "h264" or "hevc"; bframes: B-frames between references (None: the encoder's default)."""
+    path = bench_video_path(minutes, width=width, height=height, fps=fps, gop_s=gop_s, seed=seed, codec=codec,
+                            bframes=bframes, cache_dir=cache_dir)
     if path.is_file():
         log.info("benchmark video: reusing %s", path)
         return path
     frames, gop = check_bench_video(minutes, width, height, fps, gop_s)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial")
-    log.info("benchmark video: generating %s (%d frames, %dx%d, %d fps, keyframe every %d frames)",
-             path, frames, width, height, fps, gop)
+    log.info("benchmark video: generating %s (%s, %d frames, %dx%d, %d fps, keyframe every %d frames)",
+             path, codec, frames, width, height, fps, gop)
     start = time.perf_counter()
     try:
-        encode_h264(render_frames(frames, width, height, fps, seed), fps, str(tmp), crf=CRF, gop_s=gop_s,
-                    frame_threads=True, pixel_format="yuv420p", preset=PRESET, total=frames,
-                    desc=f"bench video {minutes:g} min")
+        encode_video(render_frames(frames, width, height, fps, seed), fps, str(tmp), crf=CRF[codec], gop_s=gop_s,
+                     frame_threads=True, pixel_format="yuv420p", preset=PRESET, total=frames,
+                     desc=f"bench video {minutes:g} min", codec=codec, bframes=bframes)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -2,7 +2,7 @@
 
 Rendering is a pure function of (world, fps, size): frame k shows the world at k / fps s, each
 object pasted (anti-aliased) over a precomputed background; `make_video` encodes with libx264
-(`video.h264`), and `ensure_video` keeps a cache of made videos with their truth beside them.
+(`video.encode`), and `ensure_video` keeps a cache of made videos with their truth beside them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
-from video.h264 import encode_h264
+from video.encode import encode_video
 from zoo.world import (
     BACKGROUNDS,
     COLORS,
@@ -141,7 +141,7 @@ def make_video(seed: int, seconds: float, fps: float, size: int | tuple[int, int
         raise ValueError(f"H.264 4:2:0 needs an even height and width, got {h}x{w}")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     if chunk_s is None:
-        encode_h264(render(world, fps, (h, w)), fps, str(path), crf=crf, gop_s=gop_s)
+        encode_video(render(world, fps, (h, w)), fps, str(path), crf=crf, gop_s=gop_s)
         return world.truth
     pieces = chunk_ranges(frame_count(seconds, fps), fps, chunk_s, gop_s)
     _encode_pieces(seed, seconds, fps, (h, w), pieces, Path(path), crf=crf, gop_s=gop_s, workers=workers)
@@ -160,7 +160,7 @@ def chunk_ranges(n_frames: int, fps: float, chunk_s: float, gop_s: float) -> lis
 
 def _encode_piece(job) -> str:
     seed, seconds, fps, hw, frames, out, crf, gop_s = job
-    encode_h264(render(make_world(seed, seconds), fps, hw, frames), fps, out, crf=crf, gop_s=gop_s,
+    encode_video(render(make_world(seed, seconds), fps, hw, frames), fps, out, crf=crf, gop_s=gop_s,
                 first_pts=frames.start, threads=1)
     return out
 

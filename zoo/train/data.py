@@ -28,7 +28,7 @@ from models.preprocess import (
     siglip_video_pixels,
 )
 from models.prompt import video_prompt_ids
-from video import h264
+from video.encode import encode_video
 from zoo import captions, videos
 from zoo import world as toy
 from zoo.shapes import FPS, FRAME_SIZE, SHAPES, zoo_config
@@ -82,7 +82,7 @@ def h264_round_trip(frames: np.ndarray, fps: float) -> np.ndarray:
     import av
 
     buffer = io.BytesIO()
-    h264.encode_h264(iter(frames), fps, buffer)
+    encode_video(iter(frames), fps, buffer)
     buffer.seek(0)
     with av.open(buffer) as container:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
