@@ -20,10 +20,13 @@
 #              torch.profiler's table of a step per path (what the step's time is spent on);
 #   toy        bench_sparrow on the GPU with captured steps: ar, sparrow, vanilla_sd, parallelvlm;
 #   figure5    QuickVideo's Figure 5 at real size (bench_quickvideo_gpu, ~5 min on an H100): not in
-#              the default set, which fills one call; run it in a second call with PARTS=figure5.
+#              the default set, which fills one call; run it in a second call with PARTS=figure5;
+#   nvdec      decoding on the GPU (torchcodec's CUDA device) against QuickCodec on the CPU cores, on
+#              the 10-min benchmark video, and NVDEC's frames against PyAV's (PARTS=nvdec; it needs
+#              torchcodec's CUDA build and FFmpeg's libraries on the machine, and says so without them).
 # PARTS (environment): which parts run, always in the order above (default "exactness realsize toy").
 # Writes OUT/log.txt (everything printed), realsize.json / .md, profile.md, toy_report.md / .csv,
-# figure5.md / .csv; bench_realsize writes after each context, so a part cut short keeps what it measured.
+# figure5.md / .csv, nvdec.md; bench_realsize writes after each context, so a part cut short keeps what it measured.
 set -u
 WHEELS=${1:-.gpu/wheels}
 OUT=${2:-${OUT:-outputs/gpu/$(date +%F_%H-%M-%S)}}
@@ -76,4 +79,9 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True part figure5 480 python3 -m run
     hydra.sweep.dir="$tmp/figure5"
 [ -f "$tmp/figure5/report.md" ] && cp "$tmp/figure5/report.md" "$OUT/figure5.md"
 [ -f "$tmp/figure5/report.csv" ] && cp "$tmp/figure5/report.csv" "$OUT/figure5.csv"
+part nvdec 60 python3 -m pytest -q -p no:cacheprovider tests/stages/test_decode.py -k nvdec
+part nvdec 400 python3 -m run -m +experiment=bench_decode decode_case=len10 \
+    stage/decode@graph.nodes.decode.stage=quickcodec,torchcodec_cuda graph.nodes.decode.stage.workers=16 \
+    hydra.sweep.dir="$tmp/nvdec"
+[ -f "$tmp/nvdec/report.md" ] && cp "$tmp/nvdec/report.md" "$OUT/nvdec.md"
 echo "== done after $(( $(date +%s) - start )) s; results in $OUT" | tee -a "$log"

@@ -76,17 +76,20 @@ class QuickCodec(_Decoder):
     group_frames > 0 streams: the video is cut into `intervals` (0: auto, ≫ workers) handed out
     earliest first, and each group of `group_frames` frames is emitted once all its frames are in.
     seek_frames: within an interval, seek to the next needed keyframe instead of decoding when
-    more than this many frames lie in between (sparse sampling; measured by bench_seek).
+    more than this many frames lie in between; "auto" chooses per video (`video.plan`), and the
+    choice goes to metrics.json as video.plan.
     skip_nonref: do not decode H.264/HEVC frames nothing refers to unless they are selected.
     stream: the video stream's index among the container's streams (null: FFmpeg's best)."""
 
     def __init__(self, fps: float | None = 1.0, seconds: list | None = None, num_frames: int | None = None,
                  size: Any = 448, group_frames: int = 0, workers: int = 2, intervals: int = 0,
-                 interpolation: str = "BICUBIC", seek_frames: int = 12, skip_nonref: bool = True,
+                 interpolation: str = "BICUBIC", seek_frames: int | str = "auto", skip_nonref: bool = True,
                  stream: int | None = None):
         super().__init__(fps, seconds, num_frames, size, group_frames, stream)
         if workers < 1:
             raise ValueError(f"workers must be ≥ 1, got {workers}")
+        if seek_frames != "auto" and (isinstance(seek_frames, bool) or not isinstance(seek_frames, int) or seek_frames < 0):
+            raise ValueError(f"seek_frames={seek_frames!r}: give a number of frames ≥ 0, or auto")
         self.workers, self.intervals = workers, intervals
         self.interpolation, self.seek_frames, self.skip_nonref = interpolation, seek_frames, skip_nonref
         self.pool: DecoderPool | None = None
@@ -181,39 +184,85 @@ class PyAVDecoder(_Decoder):
 class TorchCodecDecoder(_Decoder):
     """torchcodec: `get_frames_played_at` with approximate seek and `workers` FFmpeg threads
     (0 = FFmpeg picks), resized inside the decoder by its own Resize transform (bilinear,
-    antialiased; measured ~100 ms faster per 10 frames than resizing afterwards)."""
+    antialiased; measured ~100 ms faster per 10 frames than resizing afterwards).
+
+    device="cuda" (or "cuda:N") decodes on the GPU's video engine (NVDEC) through torchcodec's
+    CUDA device: the frames land on that GPU and are resized there (bilinear, antialiased, as the
+    CPU path). Its colours differ slightly from FFmpeg's CPU conversion (see docs/quickvideo.md)."""
 
     def __init__(self, fps: float | None = 1.0, seconds: list | None = None, num_frames: int | None = None,
                  size: Any = 448, group_frames: int = 0, workers: int = 0, seek_mode: str = "approximate",
-                 stream: int | None = None):
+                 stream: int | None = None, device: str = "cpu"):
         super().__init__(fps, seconds, num_frames, size, group_frames, stream)
-        self.threads, self.seek_mode = workers, seek_mode
+        if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
+            raise ValueError(f"device={device!r}: give cpu, or cuda / cuda:N to decode on an NVIDIA GPU (NVDEC)")
+        self.threads, self.seek_mode, self.device = workers, seek_mode, device
 
     def setup(self, ctx) -> None:
         try:
             from torchcodec.decoders import VideoDecoder  # noqa: F401
         except Exception as e:  # missing wheel or FFmpeg libraries: say which
             raise ImportError(f"torchcodec is not usable here ({e}); install it with .ci/reference-decoders.sh") from e
+        if self.device != "cpu":
+            check_nvdec(self.device)
 
     def __call__(self, ctx, request: Request):
         from torchcodec.decoders import VideoDecoder
 
         path = self._video(request)
         sel = self._select(path)
+        resize = (sel.height, sel.width) != (sel.index.height, sel.index.width)
         transforms = None
-        if (sel.height, sel.width) != (sel.index.height, sel.index.width):
+        if resize and self.device == "cpu":
             from torchcodec.transforms import Resize
 
             transforms = [Resize((sel.height, sel.width))]
         decoder = VideoDecoder(path, stream_index=sel.index.stream, seek_mode=self.seek_mode,
-                               num_ffmpeg_threads=self.threads, device="cpu", transforms=transforms)
+                               num_ffmpeg_threads=self.threads, device=self.device, transforms=transforms)
         offset = float(sel.index.start_pts * sel.index.time_base)  # torchcodec speaks absolute stream time
         for g in range(sel.n_groups):
             a, b = sel.group_range(g)
             batch = decoder.get_frames_played_at(seconds=(sel.seconds[a:b] + offset).tolist())
             frames = batch.data
+            if resize and self.device != "cpu":
+                frames = resize_on_device(frames, sel.height, sel.width)
             ctx.emit("group", FrameGroup(g, frames, torch.from_numpy(sel.seconds[a:b].copy()), last=b == sel.n))
-        return {"video": sel.info(f"torchcodec(threads={self.threads})", [])}
+        where = f"threads={self.threads}" if self.device == "cpu" else f"nvdec on {self.device}"
+        return {"video": sel.info(f"torchcodec({where})", [])}
+
+
+def check_nvdec(device: str) -> None:
+    """Raise a clear error unless `device` is a CUDA GPU this torch and this torchcodec can decode on."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"decoding on {device} (NVDEC) needs an NVIDIA GPU, and torch sees none here "
+                           f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'}); decode on the CPU "
+                           f"with stage/decode@graph.nodes.decode.stage=quickcodec (or torchcodec)")
+    index = torch.device(device).index or 0
+    if index >= torch.cuda.device_count():
+        raise RuntimeError(f"device={device}: this machine has {torch.cuda.device_count()} GPU(s)")
+    import io
+
+    import torchcodec
+    from torchcodec.decoders import VideoDecoder
+
+    from video.encode import encode_video
+
+    # torchcodec's CPU wheels have no CUDA decoder: find out now, on a 4-frame clip, not on the first video
+    clip = io.BytesIO()
+    encode_video((np.full((64, 64, 3), 128, np.uint8) for _ in range(4)), 4, clip)
+    try:
+        VideoDecoder(clip.getvalue(), device=device).get_frame_at(0)
+    except Exception as e:
+        raise RuntimeError(f"torchcodec {torchcodec.__version__} cannot decode on {device} here ({type(e).__name__}: "
+                           f"{e}); its CUDA build matching torch {torch.__version__} is needed for NVDEC") from e
+
+
+def resize_on_device(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """uint8 [n, 3, H, W] → uint8 [n, 3, height, width] on the frames' device: bilinear with
+    antialiasing (what torchcodec's Resize does on the CPU), rounded back to uint8."""
+    out = torch.nn.functional.interpolate(frames.float(), size=(height, width), mode="bilinear", antialias=True,
+                                          align_corners=False)
+    return out.round_().clamp_(0, 255).to(torch.uint8)
 
 
 class DecordDecoder(_Decoder):

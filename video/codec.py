@@ -55,6 +55,7 @@ class StreamIndex:
     height: int
     codec: str
     packets_without_pts: int = 0
+    reordered: int = 0           # frames shown before a frame decoded earlier (B-frames)
 
     @property
     def start_pts(self) -> int:
@@ -136,6 +137,7 @@ def scan(path: str | os.PathLike, stream: int | None = None) -> StreamIndex:
     try:
         vs = video_stream(container, path, stream)
         pts, keys, no_pts = [], [], 0
+        reordered, latest = 0, None
         try:
             for packet in container.demux(vs):
                 if packet.size == 0:       # the demuxer's end-of-stream flush packet
@@ -144,6 +146,9 @@ def scan(path: str | os.PathLike, stream: int | None = None) -> StreamIndex:
                     no_pts += 1
                     continue
                 pts.append(packet.pts)
+                if latest is not None and packet.pts < latest:  # packets come in decode order
+                    reordered += 1
+                latest = packet.pts if latest is None else max(latest, packet.pts)
                 if packet.is_keyframe:
                     keys.append(packet.pts)
         except av.error.FFmpegError as e:  # truncated / corrupt tail: keep what was readable
@@ -158,7 +163,7 @@ def scan(path: str | os.PathLike, stream: int | None = None) -> StreamIndex:
             keys_arr = np.unique(np.concatenate([[pts_arr[0]], keys_arr]))
         cc = vs.codec_context
         return StreamIndex(str(path), vs.index, vs.time_base, pts_arr, keys_arr,
-                           cc.width, cc.height, cc.name, no_pts)
+                           cc.width, cc.height, cc.name, no_pts, reordered)
     finally:
         container.close()
 

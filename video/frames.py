@@ -32,8 +32,10 @@ class VideoInfo:
     size: tuple = ()              # (h, w) of the returned frames
     lost: tuple = ()              # requested timestamps (s) that could not be decoded
     decoder: str = ""
+    plan: dict | None = None      # QuickCodec: how it chose to decode (video.plan.DecodePlan) and what it did
 
     def metrics(self) -> dict:
-        return {"video": {"path": self.path, "seconds": round(self.duration_s, 3), "frames": self.selected,
-                          "stream_frames": self.n_frames, "fps": round(self.fps, 3), "codec": self.codec,
-                          "size": list(self.size), "lost": list(self.lost), "decoder": self.decoder}}
+        video = {"path": self.path, "seconds": round(self.duration_s, 3), "frames": self.selected,
+                 "stream_frames": self.n_frames, "fps": round(self.fps, 3), "codec": self.codec,
+                 "size": list(self.size), "lost": list(self.lost), "decoder": self.decoder}
+        return {"video": video | ({"plan": dict(self.plan)} if self.plan else {})}

@@ -28,8 +28,8 @@ import torch
 from tqdm.auto import tqdm
 
 from graph.spawn import SpawnWithoutMainContext
-from video.frames import FrameGroup, VideoInfo
 from video.codec import (
+    SKIPPABLE_CODECS,
     SharedFrames,
     StreamIndex,
     TaskResult,
@@ -44,6 +44,8 @@ from video.codec import (
     warm_worker,
     worker_init,
 )
+from video.frames import FrameGroup, VideoInfo
+from video.plan import plan_decode, seek_threshold
 
 log = logging.getLogger(__name__)
 __all__ = ["read_video", "quickcodec_groups", "DecoderPool", "Selection", "VideoError"]
@@ -143,11 +145,11 @@ class Selection:
     def group_range(self, g: int) -> tuple[int, int]:
         return g * self.group_frames, min((g + 1) * self.group_frames, self.n)
 
-    def info(self, decoder: str, lost_slots: list[int]) -> VideoInfo:
+    def info(self, decoder: str, lost_slots: list[int], plan: dict | None = None) -> VideoInfo:
         ix = self.index
         return VideoInfo(self.path, ix.duration_s, ix.fps, ix.n_frames, ix.codec, ix.width, ix.height,
                          self.n - len(lost_slots), (self.height, self.width),
-                         tuple(float(self.seconds[s]) for s in lost_slots), decoder)
+                         tuple(float(self.seconds[s]) for s in lost_slots), decoder, plan)
 
     def make_group(self, g: int, frames: torch.Tensor, lost: set[int]) -> FrameGroup:
         a, b = self.group_range(g)
@@ -168,16 +170,22 @@ def warn_lost(path: str, sel: Selection, lost_slots: list[int], errors: list[str
 
 def quickcodec_groups(path: str, pool: DecoderPool, *, fps=None, seconds=None, num_frames=None, size=None,
                       intervals: int = 0, group_frames: int = 0, interpolation: str = "BICUBIC",
-                      seek_frames: int = 12, skip_nonref: bool = True, stream: int | None = None,
+                      seek_frames: int | str = "auto", skip_nonref: bool = True, stream: int | None = None,
                       on_info: Callable[[VideoInfo], None] | None = None) -> Iterator[FrameGroup]:
     """QuickCodec (QuickVideo's Alg. 2 + 3): yields FrameGroups in order, each as soon as it is complete.
 
     intervals: how many keyframe intervals to cut (0: `workers` when not grouping, else enough for
-    every worker to have several, so the earliest groups finish first)."""
+    every worker to have several, so the earliest groups finish first).
+    seek_frames: seek past gaps of more than this many frames; "auto": chosen per video from its
+    B-frame share (`video.plan`), so dense sampling decodes straight through and sparse sampling seeks."""
     path = str(path)
     sel = Selection(path, fps, seconds, num_frames, size, group_frames, stream)
     count = intervals or (pool.workers if sel.n_groups == 1 else max(4 * pool.workers, sel.n_groups))
     tasks = plan_tasks(keyframe_intervals(sel.index, count), sel.pts)
+    ix = sel.index
+    threshold = resolve_seek_frames(seek_frames, ix, skip_nonref)
+    plan = plan_decode(ix.pts, ix.keyframes, [t.targets for t in tasks], threshold).metrics()
+    decoded = seeks = 0
     shared = SharedFrames((sel.n, 3, sel.height, sel.width))
     frames = torch.from_numpy(shared.array)  # shares the mapping; stays valid after unlink
     futures: dict[cf.Future, Any] = {}
@@ -187,7 +195,7 @@ def quickcodec_groups(path: str, pool: DecoderPool, *, fps=None, seconds=None, n
         for task in tasks:  # submission order is the order workers take them: earliest first
             # plain ints only: a torch.Size here would make every worker import torch (~1 s)
             futures[executor.submit(decode_task, path, sel.index, task, shared.path, shared.shape,
-                                    interpolation, seek_frames, 1, skip_nonref)] = task
+                                    interpolation, threshold, 1, skip_nonref)] = task
         filled = np.zeros(sel.n, dtype=bool)
         lost: set[int] = set()
         errors: list[str] = []
@@ -211,6 +219,7 @@ def quickcodec_groups(path: str, pool: DecoderPool, *, fps=None, seconds=None, n
                 if p in lost_pts:
                     lost.update(slots)
             errors += res.errors
+            decoded, seeks = decoded + res.decoded, seeks + res.seeks
             while next_group < sel.n_groups and filled[slice(*sel.group_range(next_group))].all():
                 yield sel.make_group(next_group, frames, lost)
                 next_group += 1
@@ -219,7 +228,8 @@ def quickcodec_groups(path: str, pool: DecoderPool, *, fps=None, seconds=None, n
         if len(lost_slots) == sel.n:
             raise VideoError(path, "none of the selected frames could be decoded")
         if on_info:
-            on_info(sel.info("quickcodec", lost_slots))
+            # what it did beside what it planned: frames out of the decoder, seeks (one per interval included)
+            on_info(sel.info("quickcodec", lost_slots, plan | {"decoded_frames": decoded, "seeks_made": seeks}))
         ok = True
     finally:
         shared.unlink()
@@ -227,6 +237,15 @@ def quickcodec_groups(path: str, pool: DecoderPool, *, fps=None, seconds=None, n
             for f in futures:
                 f.cancel()
             pool.shutdown(kill=True)  # running tasks cannot be cancelled: end their processes
+
+
+def resolve_seek_frames(seek_frames: int | str, index: StreamIndex, skip_nonref: bool) -> int:
+    """The gap in frames past which a decoder seeks: as given, or chosen for this video ("auto")."""
+    if seek_frames == "auto":
+        return seek_threshold(index.reordered, index.n_frames, skip_nonref and index.codec in SKIPPABLE_CODECS)
+    if isinstance(seek_frames, bool) or not isinstance(seek_frames, (int, np.integer)) or seek_frames < 0:
+        raise ValueError(f"seek_frames={seek_frames!r}: give a number of frames ≥ 0, or auto")
+    return int(seek_frames)
 
 
 def read_video(path: str | os.PathLike, *, fps: float | None = None, seconds=None, num_frames: int | None = None,

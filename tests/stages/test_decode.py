@@ -17,13 +17,6 @@ SELECTIONS = {
     "seconds": dict(seconds=[0.0, 0.51, 1.0, 2.9], size=None),
 }
 
-SELECTIONS = {
-    "every_frame": dict(size=None),
-    "fps5_resized": dict(fps=5, size=(64, 80)),
-    "num_frames7": dict(num_frames=7, size=48),
-    "seconds": dict(seconds=[0.0, 0.51, 1.0, 2.9], size=None),
-}
-
 def test_decode_graph_streams_groups_through_the_executor(videos):
     from graph.executor import Executor
     from stages.types import Request
@@ -101,3 +94,32 @@ def test_every_decode_stage_takes_the_stream_asked_for(stage, stream, two_stream
 def test_a_decode_stage_wants_a_stream_index(stream):
     with pytest.raises(ValueError, match="give a stream index"):
         PyAVDecoder(stream=stream)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the NVDEC test decodes on it instead")
+def test_nvdec_without_a_gpu_says_so_and_names_the_cpu_decoders():
+    from stages.decode import TorchCodecDecoder
+
+    with pytest.raises(RuntimeError, match=r"needs an NVIDIA GPU.*stage/decode@graph.nodes.decode.stage=quickcodec"):
+        TorchCodecDecoder(device="cuda").setup(None)
+    with pytest.raises(ValueError, match="give cpu, or cuda"):
+        TorchCodecDecoder(device="gpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NVDEC needs an NVIDIA GPU")
+@pytest.mark.parametrize("size", [None, (64, 80)])
+def test_nvdec_gives_the_cpu_selection_on_the_gpu(size, videos):
+    """torchcodec's CUDA device: the frames PyAV gives, on the GPU. NVDEC converts YUV to RGB with
+    its own arithmetic (and the resize is torch's antialiased bilinear, not swscale's bicubic), so
+    pixels are compared with the loose bound the CPU torchcodec test uses: a wrong colour matrix,
+    swapped planes or a wrong frame is off by tens of levels, rounding by one or two."""
+    path = str(videos["h264_closed_gop"]["path"])
+    groups, info = run_stage("TorchCodecDecoder", path, fps=4, size=size, workers=1, device="cuda")
+    got = torch.cat([g.frames for g in groups])
+    want, want_s = reference(path, fps=4, size=size)
+    assert got.is_cuda and got.dtype == torch.uint8 and got.shape == want.shape
+    assert torch.equal(torch.cat([g.seconds for g in groups]), want_s) and "nvdec" in info.decoder
+    diff = (got.cpu().float() - want.float()).abs().mean()
+    assert diff < 6.0, f"NVDEC: mean abs pixel difference {diff:.2f}"
+    if size is None:
+        assert [read_counter(f.permute(1, 2, 0).cpu().numpy()) for f in got] == list(range(0, 72, 6))
