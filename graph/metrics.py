@@ -52,7 +52,7 @@ def ideal_wall_s(calls: list, workers: dict[str, int], pins: dict[str, int | Non
 def stage_stats(calls: Iterable[Any], resources: dict[str, str], t_start: float = 0.0) -> dict[str, dict]:
     """Per node: busy, blocked and engine seconds, calls, the span from its first call's start
     to its last call's end (start_s, end_s: seconds from `t_start`, the run's start), and, for a
-    stage that timed parts of its calls (ctx.timer), `timers`: {name: {"s": total, "n": count}}."""
+    stage that timed parts of its calls (ctx.timer), `timers`: {name: {"s": total, "n": count, "min": the shortest}}."""
     stats: dict[str, dict] = {}
     for c in calls:
         s = stats.setdefault(c.node, {"busy_s": 0.0, "calls": 0, "blocked_s": 0.0, "engine_s": 0.0,
@@ -62,9 +62,10 @@ def stage_stats(calls: Iterable[Any], resources: dict[str, str], t_start: float 
         s["engine_s"] += c.engine
         s["calls"] += c.phase == "call"
         for part, t0, t1 in getattr(c, "parts", ()):
-            timer = s.setdefault("timers", {}).setdefault(part, {"s": 0.0, "n": 0})
+            timer = s.setdefault("timers", {}).setdefault(part, {"s": 0.0, "n": 0, "min": math.inf})
             timer["s"] += t1 - t0
             timer["n"] += 1
+            timer["min"] = min(timer["min"], t1 - t0)
         if c.phase != "setup":
             s["start_s"], s["end_s"] = min(s["start_s"], c.t0 - t_start), max(s["end_s"], c.t1 - t_start)
     for s in stats.values():           # a node that only ran its setup has no span
@@ -73,7 +74,7 @@ def stage_stats(calls: Iterable[Any], resources: dict[str, str], t_start: float 
     rounded = ("busy_s", "blocked_s", "engine_s", "start_s", "end_s")
     for s in stats.values():
         for timer in s.get("timers", {}).values():
-            timer["s"] = round(timer["s"], 6)
+            timer["s"], timer["min"] = round(timer["s"], 6), round(timer["min"], 6)
     return {k: {**v, **{r: round(v[r], 6) for r in rounded if v[r] is not None}} for k, v in stats.items()}
 
 

@@ -18,6 +18,7 @@ show comes from the experiment's `report:` block, all optional:
         - {x: executor.runner, y: wall_s, hue: graph, where: {graph: demo}, title: ...}
         - {x: case, y: [a_s, b_s], kind: stacked, where: {case: [ar, sequential]}}
         - {y: per_position_acceptance, kind: profile, hue: case, xlabel: position}   # a list-valued column
+        - {x: samples_per_gop, y: ratio, hue: case, kind: line, logx: true, hline: 1}   # numeric x, a level
 
 A row holds the job's overrides, its metrics.json (nested keys joined by dots) and, for keys
 neither sets, its composed config (e.g. graph.prune.ratio). `where` values may be lists (any
@@ -285,6 +286,7 @@ def plot(rows: list[dict], plots: list[dict], path: Path, swept: list[str]) -> N
         groups = sorted({r.get(hue) for r in sel}, key=str) if hue else [None]
         series = [(y, g) for y in ys for g in groups]
         xs = list(dict.fromkeys(labels))
+        numeric = bool(x) and all(isinstance(r.get(x), (int, float)) and not isinstance(r.get(x), bool) for r in sel)
         if p.get("kind") == "profile":
             _profile(ax, p, sel, ys, hue, swept)
             continue
@@ -298,7 +300,10 @@ def plot(rows: list[dict], plots: list[dict], path: Path, swept: list[str]) -> N
                 v = match[0].get(y) if match else None
                 vals.append(v if isinstance(v, (int, float)) else float("nan"))
             label = " ".join(str(s) for s in (y if len(ys) > 1 else None, g) if s is not None) or y
-            if p.get("kind") == "line":
+            if p.get("kind") == "line" and numeric:    # a numeric axis: points at their values, in order
+                pts = sorted((float(lab), v) for lab, v in zip(xs, vals) if not math.isnan(v))
+                ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=label)
+            elif p.get("kind") == "line":
                 ax.plot(xs, vals, marker="o", label=label)
             elif stacked:
                 vals = [0.0 if math.isnan(v) else v for v in vals]
@@ -310,7 +315,11 @@ def plot(rows: list[dict], plots: list[dict], path: Path, swept: list[str]) -> N
             ax.set_xticks(range(len(xs)), xs, rotation=20, ha="right")
         elif p.get("kind") != "line":
             ax.set_xticks([j + width * (len(series) - 1) / 2 for j in range(len(xs))], xs, rotation=20, ha="right")
-        ax.set_xlabel(x or "job")
+        if p.get("logx"):
+            ax.set_xscale("log", base=2)
+        if p.get("hline") is not None:      # a reference level: parity, a target
+            ax.axhline(float(p["hline"]), color="grey", linestyle="--", linewidth=1)
+        ax.set_xlabel(p.get("xlabel") or x or "job")
         ax.set_ylabel(p.get("ylabel") or (ys[0] if len(ys) == 1 else "value"))
         ax.set_title(p.get("title") or f"{', '.join(ys)} by {x or 'job'}", fontsize=10)
         if len(series) > 1:
