@@ -48,6 +48,7 @@ def test_timed_parts_reach_records_trace_and_metrics(on, no_leftovers):
         assert c.t0 <= t0 <= t1 <= c.t1 and t1 - t0 >= 0.01
     timers = stage_stats(result.calls, {"src": "cpu", "count": on})["count"]["timers"]
     assert timers["work"]["n"] == 4 and timers["work"]["s"] >= 0.04
+    assert 0.01 <= timers["work"]["min"] <= timers["work"]["s"] / 4          # the shortest of the four
     parts = [e for e in chrome_trace(result.calls, result.t_start, [r.name for r in plan.resources], set())["traceEvents"]
              if e.get("cat") == "part"]
     assert [e["name"] for e in parts] == ["count.work"] * 4

@@ -328,3 +328,23 @@ def test_derived_columns_call_the_named_formulas_module(tmp_path):
         got = next(csv.DictReader(f))
     # the expression the bench config used to spell out, evaluated by hand: 6 / 0.9375
     assert float(got["bound"]) == pytest.approx(6.4) and float(got["eq7"]) == pytest.approx(1.5)
+
+
+def test_a_line_plot_over_a_numeric_column_places_points_at_their_values(tmp_path, monkeypatch):
+    """x values that are numbers are an axis, not labels: the points of each hue at their values, in
+    order, on a log axis when asked, with a dashed reference level."""
+    import matplotlib.axes
+
+    d = tmp_path / "sweep"
+    report = {"columns": ["case", "x", "ratio"],
+              "plots": [{"x": "x", "y": "ratio", "hue": "case", "kind": "line", "logx": True, "hline": 1}]}
+    for i, (case, x, ratio) in enumerate([("a", 4, 1.5), ("a", 0.5, 0.8), ("b", 2, 1.1), ("a", 1, 1.0)]):
+        make_job(d, str(i), [f"+case={case}", f"+x={x}"], {"wall_s": 1.0, "ratio": ratio}, report)
+    drawn, levels = [], []
+    plot, axhline = matplotlib.axes.Axes.plot, matplotlib.axes.Axes.axhline
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda ax, xs, ys, **kw: drawn.append((list(xs), list(ys)))
+                        or plot(ax, xs, ys, **kw))
+    monkeypatch.setattr(matplotlib.axes.Axes, "axhline", lambda ax, y, **kw: levels.append(y) or axhline(ax, y, **kw))
+    out = write_report(d)
+    assert out["png"].read_bytes()[:8] == PNG_MAGIC
+    assert ([0.5, 1.0, 4.0], [0.8, 1.0, 1.5]) in drawn and ([2.0], [1.1]) in drawn and levels == [1.0]
