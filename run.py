@@ -42,7 +42,9 @@ def main(cfg: DictConfig) -> float | None:
 
         try:      # the keys are checked before anything is built
             name, keys = recipe_of(OmegaConf.to_container(cfg.train, resolve=True))
-            result = trainer(name)(progress=cfg.executor.get("progress"), **keys)
+            data = OmegaConf.to_container(cfg.data, resolve=True) if cfg.get("data") else None
+            extra = {"data": data} if name == "sparrow" else {}     # the head trains on the user's videos
+            result = trainer(name)(progress=cfg.executor.get("progress"), **keys, **extra)
         except ConfigError as e:
             print(f"reelflow: {e}", file=sys.stderr)
             sys.exit(2)

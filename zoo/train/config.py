@@ -41,11 +41,13 @@ class LoopConfig:
     log_every: int = 50
     eval_every: int = 250              # the recipe's quick check every this many steps (0: never)
     out: str | None = None             # where the checkpoint goes (None: the recipe's default)
+    checkpoint_every: int = 500        # save the training state this often (and on Ctrl-C; 0: only on Ctrl-C)
+    resume: bool = False               # go on from the training state saved in `out` (same settings)
 
     def problems(self) -> list[str]:
         from zoo.train.device import resolve_device   # torch: only when a config is checked
 
-        out = _at_least(self, steps=1, warmup=1, log_every=1, eval_every=0)
+        out = _at_least(self, steps=1, warmup=1, log_every=1, eval_every=0, checkpoint_every=0)
         if self.precision not in PRECISIONS:
             out.append(f"precision={self.precision!r}: bf16 (autocast, fp32 master weights) or fp32")
         if not self.lr > 0:
@@ -323,6 +325,8 @@ def _typed(value, hint) -> tuple[Any, str | None]:
     """(value as the field holds it, None) or (None, what is wrong). Numbers keep their own type
     (an int where a float is asked stays an int, as the YAML wrote it); lists become tuples."""
     args = typing.get_args(hint)
+    if hint is Any:                    # a field that checks its own value (its problems())
+        return value, None
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         if value is None and type(None) in args:
             return None, None

@@ -184,15 +184,17 @@ def shifted_positions(net, batch: dict, add: torch.Tensor) -> torch.Tensor:
 
 
 class Batches(torch.utils.data.IterableDataset):
-    """Endless training batches; each DataLoader worker draws its own seeds."""
+    """Endless training batches from training step `start` on. Step k's batch is drawn from its own
+    seed ([seed, k]), so the stream is the same whatever the number of loader workers, and a
+    resumed run gets the batches the uninterrupted one would have."""
 
     def __init__(self, name: str, batch_size: int, seconds: tuple[float, float], seed: int,
                  warm_seconds: tuple[float, float] | None = None, ramp_batches: int = 0, stretch: float = 1.0,
                  text_shift: int = 0, clause_gap: int = 0, ground_before: bool = False, codec: bool = False,
                  dense_gap: tuple[float, float] | None = None, dense_share: float = 0.5,
                  fps_scale: tuple[int, int] | None = None, fps_share: float = 0.5, visual_drop: float = 0.0,
-                 visual_keep: tuple[float, float] = (0.1, 1.0), visual_uv_share: float = 0.0):
-        self.name, self.batch_size, self.seconds, self.seed = name, batch_size, seconds, seed
+                 visual_keep: tuple[float, float] = (0.1, 1.0), visual_uv_share: float = 0.0, start: int = 0):
+        self.name, self.batch_size, self.seconds, self.seed, self.start = name, batch_size, seconds, seed, start
         self.warm_seconds, self.ramp_batches, self.stretch = warm_seconds or seconds, ramp_batches, stretch
         self.text_shift, self.clause_gap, self.ground_before = text_shift, clause_gap, ground_before
         self.codec, self.dense_gap, self.dense_share = codec, dense_gap, dense_share
@@ -272,14 +274,15 @@ class Batches(torch.utils.data.IterableDataset):
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         if info is not None:        # in the loader's own process (loader_workers=0) training keeps its threads
             torch.set_num_threads(1)
-        rng = np.random.default_rng([self.seed, worker])
         config, tokenizer = zoo_config(self.name), build_tokenizer(SHAPES[self.name][0])
         fps = FPS[config.model_type]
         batch = 0
         while True:
             # the DataLoader takes batches from its workers in turn, so this worker's k-th batch is
-            # the loader's (k * workers + worker)-th: the curriculum follows the training steps
-            low, high = self.lengths(batch * workers + worker)
+            # the loader's (k * workers + worker)-th: the step it trains, its seed and its curriculum
+            step = self.start + batch * workers + worker
+            rng = np.random.default_rng([self.seed, step])
+            low, high = self.lengths(step)
             batch += 1
             seconds = float(rng.integers(round(low), round(high) + 1))
             seeds = TRAIN_SEED0 + rng.integers(0, 1 << 40, self.batch_size)

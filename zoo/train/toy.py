@@ -112,13 +112,13 @@ class ToyRecipe(loop.Recipe):
         return {"loss": w.label_weight, "aux_loss": w.aux_weight, "event_loss": w.event_weight, "distill_loss": w.distill_weight,
                 "ground_loss": w.ground_weight, "chain_loss": w.chain_weight}
 
-    def batches(self, steps: int, seed: int) -> Batches:
+    def batches(self, steps: int, seed: int, start: int = 0) -> Batches:
         d, v = self.config.data, self.config.drop
         dense_gap = tuple(float(g) for g in d.dense_gap) if d.dense_gap is not None else None
         return Batches(self.config.model, d.batch_size, tuple(d.seconds), seed, tuple(d.warm_seconds),
                        int(d.ramp * steps), d.stretch, d.text_shift, d.clause_gap, d.ground_before, d.codec,
                        dense_gap, d.dense_share, d.fps_scale, d.fps_share, v.visual_drop, tuple(v.visual_keep),
-                       v.visual_uv_share)
+                       v.visual_uv_share, start)
 
     # --------------------------------------------------------------------------------- step
 

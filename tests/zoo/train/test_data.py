@@ -164,3 +164,14 @@ def test_scaled_frame_rates_give_more_tokens_for_the_same_video_with_matching_po
     with pytest.raises(ConfigError, match="fps_scale="):
         train(model="qwen-draft", steps=1, fps_scale=[2.5, 3], device="cpu", progress=False)
 
+
+
+def test_a_stream_started_at_step_k_gives_the_uninterrupted_streams_batches_from_k():
+    """What a resumed run trains on: step k's batch does not depend on the batches before it."""
+    import itertools
+
+    whole = list(itertools.islice(iter(Batches("qwen-draft", 2, (3, 4), 5, (2, 3), ramp_batches=3)), 4))
+    later = list(itertools.islice(iter(Batches("qwen-draft", 2, (3, 4), 5, (2, 3), ramp_batches=3, start=2)), 2))
+    for a, b in zip(whole[2:], later):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(whole[0]["input_ids"], whole[1]["input_ids"])

@@ -1,0 +1,73 @@
+"""The card saved beside a trained draft head or draft: what it was trained on, how well it agrees
+with its target on held-out clips, and the command that made it (README.md in its directory)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+__all__ = ["command_line", "head_card"]
+
+
+def command_line() -> str:
+    """This process's command as a user would type it (`python -m run ...` for the runner)."""
+    args = [shlex.quote(a) for a in sys.argv[1:]]
+    program = sys.argv[0]
+    if program.endswith("run.py") or program == "-m":
+        return " ".join(["python -m run", *args])
+    return " ".join([shlex.quote(program), *args])
+
+
+def head_card(result: dict, trained_on: dict) -> str:
+    """Markdown for a Sparrow head trained by `zoo.train.sparrow` (`result`: its training.json)."""
+    checks = {k: v for k, v in result.items() if k.startswith(("top1_", "accepted_length"))}
+    rows = "\n".join(f"| {k} | {v} |" for k, v in checks.items()) or "| (none) | |"
+    data = trained_on.get("data")
+    source = json.dumps(data) if isinstance(data, dict) else str(data)
+    lines = [
+        f"# Sparrow draft head for {result.get('target')}",
+        "",
+        "A one-layer draft head on the target's hidden states (Sparrow), trained on the target's own",
+        "greedy answers (self-distillation: no labels). Load it with",
+        "",
+        "```bash",
+        f"python -m run +experiment=sparrow model.target.path={result.get('target')} model.sparrow=<this directory>",
+        "```",
+        "",
+        "## Trained on",
+        "",
+        f"- data: `{source}`",
+    ]
+    for key in ("videos", "clips", "heldout_clips", "clips_skipped", "fps", "size", "example_cache"):
+        if key in trained_on:
+            lines.append(f"- {key.replace('_', ' ')}: {trained_on[key]}")
+    if trained_on.get("videos_skipped"):
+        lines.append(f"- videos that could not be read: {len(trained_on['videos_skipped'])} "
+                     f"({', '.join(sorted(trained_on['videos_skipped']))[:300]})")
+    if trained_on.get("prompts"):
+        lines.append("- prompts: " + "; ".join(f"`{p}`" for p in trained_on["prompts"]))
+    lines += [
+        f"- steps: {result.get('steps')} of {result.get('steps_planned')}, lr {result.get('lr')}, "
+        f"{result.get('precision')}, on {result.get('device_name') or result.get('device')}, "
+        f"{result.get('train_s')} s" + (f" (resumed at step {result['resumed_at']})" if result.get("resumed_at") else ""),
+        f"- head: {result.get('parameters')} parameters, m* = {result.get('tap_layer')}, "
+        f"ivsb {result.get('ivsb')}, mtp {result.get('mtp')}, vata {result.get('vata')}",
+        "",
+        "## Agreement with the target (held-out clips)",
+        "",
+        "top1: the share of text positions where the head's next token is the target's; accepted_length:",
+        "tokens committed per verification round when its trees are drafted and verified for real.",
+        "",
+        "| check | value |",
+        "|---|---|",
+        rows,
+        "",
+        "## Command",
+        "",
+        "```bash",
+        command_line(),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
