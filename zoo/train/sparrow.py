@@ -24,6 +24,11 @@ an input; its text positions are numbered 0, 1, ... as at inference):
 Check: the share of held-out text positions (30-s videos at the model's frame rate and at 4× it:
 lengths never trained on) where the head's top token equals the target's, with VATA (no prefix)
 as the head drafts at inference.
+
+From the user's own videos (`data=folder` / `data=manifest` / `data.path=`, any target by path):
+the same examples from clips of those files, built once into an example cache
+(zoo.train.user_data), checked on held-out videos by top-1 and by the accepted length of trees
+drafted and verified for real (zoo.train.acceptance), and saved with a card (docs/own-model.md).
 """
 
 from __future__ import annotations
@@ -310,8 +315,11 @@ class SparrowRecipe(loop.Recipe):
 
             committed = rounds = 0
             for clip, frames in self.eval_clips:
+                # in fp32 the final check also decodes plainly and fails if the tokens differ (in bf16 a
+                # k-token verification and k single steps may break a near tie differently)
                 c, r = head_accepted_length(self.lm, self._inference_head(), frames, self.fps, clip.prompt,
-                                            max_new_tokens=self.config.max_new_tokens)
+                                            max_new_tokens=self.config.max_new_tokens,
+                                            check=final and self.lm.dtype == torch.float32)
                 committed, rounds = committed + c, rounds + r
             out["accepted_length_heldout"] = round(committed / max(1, rounds), 4)
         self.head.train()
