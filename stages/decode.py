@@ -36,6 +36,7 @@ from video.quickcodec import (
     DecoderPool,
     Selection,
     as_size,
+    check_seek_frames,
     quickcodec_groups,
     read_video,
     warn_lost,
@@ -88,8 +89,7 @@ class QuickCodec(_Decoder):
         super().__init__(fps, seconds, num_frames, size, group_frames, stream)
         if workers < 1:
             raise ValueError(f"workers must be ≥ 1, got {workers}")
-        if seek_frames != "auto" and (isinstance(seek_frames, bool) or not isinstance(seek_frames, int) or seek_frames < 0):
-            raise ValueError(f"seek_frames={seek_frames!r}: give a number of frames ≥ 0, or auto")
+        check_seek_frames(seek_frames)
         self.workers, self.intervals = workers, intervals
         self.interpolation, self.seek_frames, self.skip_nonref = interpolation, seek_frames, skip_nonref
         self.pool: DecoderPool | None = None
@@ -235,8 +235,8 @@ def check_nvdec(device: str) -> None:
     """Raise a clear error unless `device` is a CUDA GPU this torch and this torchcodec can decode on."""
     if not torch.cuda.is_available():
         raise RuntimeError(f"decoding on {device} (NVDEC) needs an NVIDIA GPU, and torch sees none here "
-                           f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'}); decode on the CPU "
-                           f"with stage/decode@graph.nodes.decode.stage=quickcodec (or torchcodec)")
+                           f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'not built in'}); "
+                           f"decode on the CPU with stage/decode@graph.nodes.decode.stage=quickcodec (or torchcodec)")
     index = torch.device(device).index or 0
     if index >= torch.cuda.device_count():
         raise RuntimeError(f"device={device}: this machine has {torch.cuda.device_count()} GPU(s)")

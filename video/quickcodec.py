@@ -239,12 +239,18 @@ def quickcodec_groups(path: str, pool: DecoderPool, *, fps=None, seconds=None, n
             pool.shutdown(kill=True)  # running tasks cannot be cancelled: end their processes
 
 
+def check_seek_frames(seek_frames: int | str) -> None:
+    """A ValueError unless `seek_frames` is a number of frames ≥ 0 or "auto"."""
+    if seek_frames != "auto" and (isinstance(seek_frames, bool) or not isinstance(seek_frames, (int, np.integer))
+                                  or seek_frames < 0):
+        raise ValueError(f"seek_frames={seek_frames!r}: give a number of frames ≥ 0, or auto")
+
+
 def resolve_seek_frames(seek_frames: int | str, index: StreamIndex, skip_nonref: bool) -> int:
     """The gap in frames past which a decoder seeks: as given, or chosen for this video ("auto")."""
+    check_seek_frames(seek_frames)
     if seek_frames == "auto":
         return seek_threshold(index.reordered, index.n_frames, skip_nonref and index.codec in SKIPPABLE_CODECS)
-    if isinstance(seek_frames, bool) or not isinstance(seek_frames, (int, np.integer)) or seek_frames < 0:
-        raise ValueError(f"seek_frames={seek_frames!r}: give a number of frames ≥ 0, or auto")
     return int(seek_frames)
 
 
