@@ -29,13 +29,13 @@ OmegaConf.register_new_resolver("first", lambda *xs: next((x for x in xs if x no
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     from graph.executor import StageFailed
+    from graph.spec import ConfigError
     from job.ray_pool import ClusterError
     from job.run import run_job
-    from graph.spec import ConfigError
     from stages.source import load_requests
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if cfg.get("train"):      # +experiment=train_toy | train_sparrow: training, not a graph
+    if cfg.get("train"):      # +experiment=train_toy | train_sparrow | train_draft: training, not a graph
         import json
 
         from zoo.train.recipes import recipe_of, trainer
@@ -43,7 +43,7 @@ def main(cfg: DictConfig) -> float | None:
         try:      # the keys are checked before anything is built
             name, keys = recipe_of(OmegaConf.to_container(cfg.train, resolve=True))
             data = OmegaConf.to_container(cfg.data, resolve=True) if cfg.get("data") else None
-            extra = {"data": data} if name == "sparrow" else {}     # the head trains on the user's videos
+            extra = {"data": data} if name in ("sparrow", "draft") else {}     # they train on the user's videos
             result = trainer(name)(progress=cfg.executor.get("progress"), **keys, **extra)
         except ConfigError as e:
             print(f"reelflow: {e}", file=sys.stderr)
@@ -110,7 +110,7 @@ def check_train_keys(argv: list[str]) -> None:
     from zoo.train.config import check_keys
     from zoo.train.recipes import config_classes
 
-    recipe = "sparrow" if "+experiment=train_sparrow" in argv else "toy"
+    recipe = next((name for name in ("sparrow", "draft") if f"+experiment=train_{name}" in argv), "toy")
     keys = [k for k in keys if k != "recipe"]
     try:
         check_keys(keys, *config_classes(recipe))

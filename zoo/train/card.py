@@ -7,7 +7,7 @@ import json
 import shlex
 import sys
 
-__all__ = ["command_line", "head_card"]
+__all__ = ["command_line", "draft_card", "head_card"]
 
 
 def command_line() -> str:
@@ -21,24 +21,43 @@ def command_line() -> str:
 
 def head_card(result: dict, trained_on: dict) -> str:
     """Markdown for a Sparrow head trained by `zoo.train.sparrow` (`result`: its training.json)."""
-    checks = {k: v for k, v in result.items() if k.startswith(("top1_", "accepted_length"))}
-    rows = "\n".join(f"| {k} | {v} |" for k, v in checks.items()) or "| (none) | |"
+    return _card(
+        title=f"Sparrow draft head for {result.get('target')}",
+        intro=["A one-layer draft head on the target's hidden states (Sparrow), trained on the target's own",
+               "greedy answers (self-distillation: no labels). Load it with"],
+        load=f"python -m run +experiment=sparrow model.target.path={result.get('target')} "
+             "model.sparrow=<this directory>",
+        model=f"head: {result.get('parameters')} parameters, m* = {result.get('tap_layer')}, "
+              f"ivsb {result.get('ivsb')}, mtp {result.get('mtp')}, vata {result.get('vata')}",
+        checks=["top1: the share of text positions where the head's next token is the target's; accepted_length:",
+                "tokens committed per verification round when its trees are drafted and verified for real."],
+        result=result, trained_on=trained_on)
+
+
+def draft_card(result: dict, trained_on: dict) -> str:
+    """Markdown for a draft model distilled by `zoo.train.draft` (`result`: its training.json)."""
+    start = result.get("init") or f"random weights of the zoo shape {result.get('shape')}"
+    return _card(
+        title=f"Draft model for {result.get('target')}",
+        intro=["A draft distilled from its target's own greedy answers (self-distillation: no labels), starting",
+               f"from {start}. Load it with"],
+        load=f"python -m run +experiment=vanilla_sd model.target.path={result.get('target')} "
+             "model.draft.path=<this directory>",
+        model=f"draft: {result.get('parameters')} parameters, loss {result.get('ce_weight')} x cross-entropy of the "
+              f"target's token + {result.get('kl_weight')} x KL over its top-{result.get('topk')}",
+        checks=["top1: the share of answer positions where the draft's next token is the target's; accepted_length:",
+                f"tokens committed per verification round when it drafts {result.get('window')} tokens a round and "
+                "the target verifies them."],
+        result=result, trained_on=trained_on)
+
+
+def _card(*, title: str, intro: list[str], load: str, model: str, checks: list[str], result: dict,
+          trained_on: dict) -> str:
+    figures = {k: v for k, v in result.items() if k.startswith(("top1_", "accepted_length"))}
+    rows = "\n".join(f"| {k} | {v} |" for k, v in figures.items()) or "| (none) | |"
     data = trained_on.get("data")
     source = json.dumps(data) if isinstance(data, dict) else str(data)
-    lines = [
-        f"# Sparrow draft head for {result.get('target')}",
-        "",
-        "A one-layer draft head on the target's hidden states (Sparrow), trained on the target's own",
-        "greedy answers (self-distillation: no labels). Load it with",
-        "",
-        "```bash",
-        f"python -m run +experiment=sparrow model.target.path={result.get('target')} model.sparrow=<this directory>",
-        "```",
-        "",
-        "## Trained on",
-        "",
-        f"- data: `{source}`",
-    ]
+    lines = [f"# {title}", "", *intro, "", "```bash", load, "```", "", "## Trained on", "", f"- data: `{source}`"]
     for key in ("videos", "clips", "heldout_clips", "clips_skipped", "fps", "size", "example_cache"):
         if key in trained_on:
             lines.append(f"- {key.replace('_', ' ')}: {trained_on[key]}")
@@ -50,14 +69,13 @@ def head_card(result: dict, trained_on: dict) -> str:
     lines += [
         f"- steps: {result.get('steps')} of {result.get('steps_planned')}, lr {result.get('lr')}, "
         f"{result.get('precision')}, on {result.get('device_name') or result.get('device')}, "
-        f"{result.get('train_s')} s" + (f" (resumed at step {result['resumed_at']})" if result.get("resumed_at") else ""),
-        f"- head: {result.get('parameters')} parameters, m* = {result.get('tap_layer')}, "
-        f"ivsb {result.get('ivsb')}, mtp {result.get('mtp')}, vata {result.get('vata')}",
+        f"{result.get('train_s')} s"
+        + (f" (resumed at step {result['resumed_at']})" if result.get("resumed_at") else ""),
+        f"- {model}",
         "",
         "## Agreement with the target (held-out clips)",
         "",
-        "top1: the share of text positions where the head's next token is the target's; accepted_length:",
-        "tokens committed per verification round when its trees are drafted and verified for real.",
+        *checks,
         "",
         "| check | value |",
         "|---|---|",

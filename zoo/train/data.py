@@ -53,6 +53,7 @@ class Example:
     truth: toy.Truth
     world: toy.World | None = None
     fps: float | None = None  # the frame rate it was rendered at (None: the zoo's, FPS)
+    answer_ids: list[int] | None = None   # the answer as token ids (a target's own), used as they are
 
 
 def example(seed: int, seconds: float, fps: float, rng: np.random.Generator | None = None, *,
@@ -90,7 +91,7 @@ def h264_round_trip(frames: np.ndarray, fps: float) -> np.ndarray:
 
 def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bool,
                  stretch: list[float] | None = None, moves: list[tuple[int, list[int]]] | None = None,
-                 ground_before: bool = False) -> dict:
+                 ground_before: bool = False, norm: tuple | None = None) -> dict:
     """The batch as the transformers model's forward takes it: right-padded ids, the video's
     pixels, and (with answers) labels that score only the answer and its <|im_end|>, plus the
     training-only per-token targets. `stretch` (Qwen2.5-VL, training only): per example, a factor
@@ -99,8 +100,11 @@ def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bo
     text after the video move on, and how much further after each clause of its answer (see
     labels.chain_mask); the batch's `position_offset` [batch, seq] carries them to the loss
     (shifted_positions).
-    `ground_before`: the grounding targets include the step before a change (event_tokens)."""
+    `ground_before`: the grounding targets include the step before a change (event_tokens).
+    `norm`: the pixels' (mean, std) (None: the zoo's, CLIP's for Qwen and SigLIP's for LLaVA); an
+    example's `answer_ids` are its answer as they are (no end-of-turn token added)."""
     arch = config.model_type
+    mean, std = norm or ((CLIP_MEAN, CLIP_STD) if arch == "qwen2_5_vl" else (SIGLIP_MEAN, SIGLIP_STD))
     rows, labels, pixels, grids, cells, events, grounds, chains, afters = [], [], [], [], [], [], [], [], []
     rates = [ex.fps or FPS[arch] for ex in examples]
     for ex, fps in zip(examples, rates):
@@ -109,12 +113,12 @@ def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bo
             cells.append(cell_labels(ex.world, fps, ex.frames.shape[0], step))
             events.append(event_labels(ex.world, fps, ex.frames.shape[0], step))
         if arch == "qwen2_5_vl":
-            flat, (t, h, w) = qwen_video_patches(ex.frames, CLIP_MEAN, CLIP_STD)
+            flat, (t, h, w) = qwen_video_patches(ex.frames, mean, std)
             pixels.append(flat)
             grids.append((t, h, w))
             n_video, placeholder = t * h * w // 4, config.video_token_id
         else:
-            pixels.append(siglip_video_pixels(ex.frames, SIGLIP_MEAN, SIGLIP_STD))
+            pixels.append(siglip_video_pixels(ex.frames, mean, std))
             side = math.ceil(config.vision_config.image_size // config.vision_config.patch_size / 2)
             n_video, placeholder = ex.frames.shape[0] * side * side + 1, config.video_token_index
         ids, video_at = video_prompt_ids(tokenizer, ex.prompt, placeholder, n_video)
@@ -125,7 +129,9 @@ def model_inputs(config, tokenizer, examples: list[Example], *, with_answers: bo
             chains.append((tokens, video_at))
         afters.append((video_at + n_video, len(ids)))
         target = []
-        if with_answers:
+        if with_answers and ex.answer_ids is not None:
+            target = list(ex.answer_ids)
+        elif with_answers:
             target = tokenizer(ex.answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         rows.append(ids + target)
         labels.append([-100] * len(ids) + target)

@@ -1,4 +1,4 @@
-"""Which recipe a `train:` block runs (its `recipe` key: toy, the default, or sparrow), its keys
+"""Which recipe a `train:` block runs (its `recipe` key: toy, the default, sparrow or draft), its keys
 checked before anything is built, and the recipe's trainer.
 
     name, keys = recipe_of(block)             # the block without its `recipe` key
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-RECIPES = ("toy", "sparrow")
+RECIPES = ("toy", "sparrow", "draft")
 
 
 def recipe_of(block: Mapping[str, Any]) -> tuple[str, dict]:
@@ -29,8 +29,14 @@ def config_classes(name: str) -> tuple[type, ...]:
 
     if name == "sparrow":
         from zoo.train.sparrow import SparrowTrainConfig
+        from zoo.train.user_data import UserDataConfig
 
-        return LoopConfig, SparrowTrainConfig
+        return LoopConfig, UserDataConfig, SparrowTrainConfig
+    if name == "draft":
+        from zoo.train.draft import DraftTrainConfig
+        from zoo.train.user_data import UserDataConfig
+
+        return LoopConfig, UserDataConfig, DraftTrainConfig
     return LoopConfig, ToyConfig
 
 
@@ -43,6 +49,8 @@ def check(name: str, keys: Mapping[str, Any]) -> None:
 def trainer(name: str):
     if name == "sparrow":
         from zoo.train.sparrow import train
+    elif name == "draft":
+        from zoo.train.draft import train
     else:
         from zoo.train.toy import train
     return train

@@ -38,7 +38,6 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +50,7 @@ from zoo.shapes import FPS
 from zoo.train import loop
 from zoo.train.config import LoopConfig, parse_flat
 from zoo.train.data import example
+from zoo.train.user_data import UserDataConfig, clip_rate, target_dtype, user_examples, user_source
 
 log = logging.getLogger("reelflow.train")
 
@@ -71,30 +71,8 @@ class SparrowTrainConfig:
     mtp: bool = True
     vata: bool = True                           # how the saved head attends at inference (false: an ablation)
     tap_layer: int = 0                          # m* (0: half the target's layers)
-    # the user's own videos (`data=folder` / `data=manifest` / `data.path=`; none: the toy world)
-    clip_seconds: tuple[float, float] = (2.0, 16.0)   # each clip's length is drawn in this range (s)
-    clips_per_video: int = 8
-    heldout: float = 0.1                        # the share of the videos kept for the agreement check
-    prompts: Any = None                         # a list or a .txt / .json file (None: data.prompt)
-    cache: str = "~/.cache/reelflow/examples"   # where built examples are kept and found again
-    clip_seed: int = 0                          # which clips: their lengths, starts and the held-out videos
-    fps: float | None = None                    # frames a second the target sees (None: its own, else 1)
-    size: int | None = None                     # frame side it sees (None: its own, else 448)
-    eval_clips: int = 8                         # held-out clips the accepted length is measured on
-    target_dtype: str = "auto"                  # auto: bfloat16 on a GPU, float32 on the CPU
-
     def problems(self) -> list[str]:
         out = []
-        if not 0 < self.clip_seconds[0] <= self.clip_seconds[1]:
-            out.append(f"clip_seconds={list(self.clip_seconds)}: a range [low, high] of positive lengths")
-        if self.clips_per_video < 1:
-            out.append(f"clips_per_video={self.clips_per_video}: at least 1")
-        if not 0.0 <= self.heldout < 1.0:
-            out.append(f"heldout={self.heldout}: a share of the videos, in [0, 1)")
-        if self.prompts is not None and not isinstance(self.prompts, (str, list, tuple)):
-            out.append(f"prompts={self.prompts!r}: a list of prompts, or a .txt / .json file of them")
-        if self.target_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            out.append(f"target_dtype={self.target_dtype!r}: auto, float32, bfloat16 or float16")
         if self.examples < 2:
             out.append(f"examples={self.examples}: at least 2")
         if not 0 < self.seconds[0] <= self.seconds[1]:
@@ -109,9 +87,8 @@ class SparrowTrainConfig:
 def train(progress: bool | None = None, data: dict | None = None, **keys) -> dict:
     """`data`: a `data:` block naming the user's videos (folder, manifest or path); none or empty:
     the toy world's videos, made on the fly."""
-    loop_config, config = parse_flat(keys, LoopConfig, SparrowTrainConfig)
-    source = data if data and any(data.get(k) for k in ("path", "folder", "manifest")) else None
-    return loop.train(SparrowRecipe(config, source, progress), loop_config, progress=progress)
+    loop_config, videos, config = parse_flat(keys, LoopConfig, UserDataConfig, SparrowTrainConfig)
+    return loop.train(SparrowRecipe(config, videos, user_source(data), progress), loop_config, progress=progress)
 
 
 # ------------------------------------------------------------------------------ the target's states
@@ -151,8 +128,9 @@ def head_inputs(item: dict) -> dict:
 class SparrowRecipe(loop.Recipe):
     name = "sparrow"
 
-    def __init__(self, config: SparrowTrainConfig, data: dict | None = None, progress: bool | None = None):
-        self.config, self.source, self.progress = config, data, progress
+    def __init__(self, config: SparrowTrainConfig, videos: UserDataConfig | None = None, data: dict | None = None,
+                 progress: bool | None = None):
+        self.config, self.videos, self.source, self.progress = config, videos or UserDataConfig(), data, progress
         self.eval_clips: list = []
         self.trained_on: dict = {"data": "the toy world"}
 
@@ -160,8 +138,7 @@ class SparrowRecipe(loop.Recipe):
         from tqdm import tqdm
 
         c = self.config
-        dtype = c.target_dtype if c.target_dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-        self.lm = load_model(c.target, dtype=dtype, device=str(device))
+        self.lm = load_model(c.target, dtype=target_dtype(self.videos, device), device=str(device))
         for p in self.lm.model.parameters():
             p.requires_grad_(False)
         self.tap = c.tap_layer or self.lm.n_layers // 2
@@ -189,54 +166,23 @@ class SparrowRecipe(loop.Recipe):
 
     def _build_from_user_videos(self, device: torch.device) -> None:
         """Examples from the clips of the user's videos, through the example cache (see user_data)."""
-        from stages.source import load_requests
-        from video.quickcodec import DecoderPool
         from zoo.train.memory import check_memory
-        from zoo.train.user_data import ExampleCache, load_prompts, plan_clips, target_fingerprint
 
         c, lm = self.config, self.lm
-        self.fps = float(c.fps or lm.fps or 1.0)
-        size = int(c.size or (lm.frame_size[0] if lm.frame_size else 448))
-        default_prompt = self.source.get("prompt")
-        try:
-            prompts = load_prompts(c.prompts if c.prompts is not None else [default_prompt or "describe the video ."])
-            requests = load_requests(self.source)
-            clips, skipped = plan_clips(requests, clip_seconds=tuple(c.clip_seconds), clips_per_video=c.clips_per_video,
-                                        heldout=c.heldout, seed=c.clip_seed, prompts=prompts,
-                                        default_prompt=default_prompt)
-        except ValueError as e:
-            from graph.spec import ConfigError
+        self.fps, _ = clip_rate(self.videos, lm)
 
-            raise ConfigError(f"train_sparrow: {e}") from None
-        check_memory(lm, self.head, device, frames=int(c.clip_seconds[1] * self.fps) + 1, size=size,
-                     text_tokens=c.max_new_tokens + 64, batch_examples=c.batch_examples)
-        key = {"examples": "sparrow head inputs", "version": 1, **target_fingerprint(c.target),
-               "dtype": str(lm.dtype), "tap_layer": self.tap, "max_new_tokens": c.max_new_tokens, "fps": self.fps,
-               "size": size, "clips": [[k.video, k.start, k.seconds, k.prompt] for k in clips]}
-        cache = ExampleCache(c.cache, key)
+        def memory(frames: int, size: int) -> None:
+            check_memory(lm, self.head, device, frames=frames, size=size, text_tokens=c.max_new_tokens + 64,
+                         batch_examples=c.batch_examples, recipe="train_sparrow")
 
-        def make(clip):
-            frames = decode_clip(clip, pool, self.fps, size)
-            return head_inputs(target_states(lm, frames, self.fps, clip.prompt, c.max_new_tokens, self.tap))
-
-        with DecoderPool(1) as pool:
-            paths = cache.build(clips, make, progress=self.progress, desc="target answers")
-            held = [k for k, p in zip(clips, paths) if p is not None and k.heldout]
-            self.eval_clips = [(k, decode_clip(k, pool, self.fps, size)) for k in held[:c.eval_clips]]
-        self.data = [torch.load(p) for k, p in zip(clips, paths) if p is not None and not k.heldout]
-        self.eval_sets = {"heldout": [torch.load(p) for k, p in zip(clips, paths) if p is not None and k.heldout]}
-        if not self.data:
-            from graph.spec import ConfigError
-
-            raise ConfigError(f"train_sparrow: no training clip could be made ({len(cache.skipped())} skipped; see "
-                              f"{cache.dir}); every clip is held out or unreadable")
-        self.trained_on = {"data": {k: v for k, v in self.source.items() if v and k != "toy"},
-                           "videos": len({k.video for k in clips}), "videos_skipped": skipped,
-                           "clips": len(self.data), "heldout_clips": len(self.eval_sets["heldout"]),
-                           "clips_skipped": len(cache.skipped()), "fps": self.fps, "size": size,
-                           "prompts": prompts[:8], "example_cache": str(cache.dir)}
-        log.info("examples: %d training clips and %d held-out clips from %d videos (%s)", len(self.data),
-                 len(self.eval_sets["heldout"]), len({k.video for k in clips}), cache.dir)
+        made = user_examples(self.source, self.videos, lm, c.target, recipe="train_sparrow", memory=memory,
+                             key={"examples": "sparrow head inputs", "version": 1, "tap_layer": self.tap,
+                                  "max_new_tokens": c.max_new_tokens},
+                             make=lambda clip, frames: head_inputs(target_states(lm, frames, self.fps, clip.prompt,
+                                                                                 c.max_new_tokens, self.tap)),
+                             progress=self.progress)
+        self.data, self.eval_sets = made.train, {"heldout": made.heldout}
+        self.eval_clips, self.trained_on = made.eval_clips, made.trained_on
 
     def _init_from_target_layer(self) -> None:
         layer = self.lm.text.layers[-1]
@@ -349,20 +295,9 @@ class SparrowRecipe(loop.Recipe):
     def record(self) -> dict:
         from zoo.train.config import flat
 
-        return {"recipe": "sparrow", **flat(self.config), "tap_layer": self.tap,
+        return {"recipe": "sparrow", **flat(self.config), **flat(self.videos), "tap_layer": self.tap,
                 "parameters": sum(p.numel() for p in self.head.parameters()),
                 "trained_on": json.loads(json.dumps(self.trained_on, default=str))}
-
-
-def decode_clip(clip, pool, fps: float, size: int) -> torch.Tensor:
-    """uint8 [n, 3, size, size]: the clip's frames at `fps` (QuickCodec on `pool`)."""
-    import numpy as np
-
-    from video.quickcodec import quickcodec_groups
-
-    times = clip.start + np.arange(max(1, int(round(clip.seconds * fps)))) / fps
-    groups = list(quickcodec_groups(clip.video, pool, seconds=times.tolist(), size=size))
-    return torch.cat([g.frames for g in groups])
 
 
 class _Examples(torch.utils.data.IterableDataset):

@@ -6,6 +6,8 @@ a cache on disk.
                                 heldout=0.1, seed=0, prompts=["describe the video ."])
     cache = ExampleCache(root, key={...})                 # the directory named by what the examples depend on
     paths = cache.build(clips, make_example)              # resumable: clips already built are not made again
+    examples = user_examples(data, UserDataConfig(), lm, "zoo/weights/qwen-target", recipe="train_draft",
+                             key={...}, make=make)        # all of it: the clips, the cache, the held-out frames
 
 No labels are needed: the examples are the target's own greedy answers and states (self-
 distillation), so any videos will do. Clips are short (like the paper's training inputs): a draft
@@ -25,7 +27,7 @@ import json
 import logging
 import os
 import random
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,7 +35,60 @@ import torch
 
 log = logging.getLogger("reelflow.train")
 
-__all__ = ["Clip", "ExampleCache", "load_prompts", "plan_clips", "target_fingerprint"]
+__all__ = ["Clip", "ExampleCache", "UserDataConfig", "UserExamples", "decode_clip", "load_prompts", "plan_clips",
+           "clip_rate", "target_dtype", "target_fingerprint", "user_examples",
+           "user_source"]
+
+
+@dataclass(frozen=True)
+class UserDataConfig:
+    """The `train:` keys of a recipe that learns from the user's own videos (`data=folder` /
+    `data=manifest` / `data.path=`): which clips, answered how, cached where."""
+
+    clip_seconds: tuple[float, float] = (2.0, 16.0)   # each clip's length is drawn in this range (s)
+    clips_per_video: int = 8
+    heldout: float = 0.1                        # the share of the videos kept for the agreement check
+    prompts: Any = None                         # a list or a .txt / .json file (None: data.prompt)
+    cache: str = "~/.cache/reelflow/examples"   # where built examples are kept and found again
+    clip_seed: int = 0                          # which clips: their lengths, starts and the held-out videos
+    fps: float | None = None                    # frames a second the target sees (None: its own, else 1)
+    size: int | None = None                     # frame side it sees (None: its own, else 448)
+    eval_clips: int = 8                         # held-out clips the accepted length is measured on
+    target_dtype: str = "auto"                  # auto: bfloat16 on a GPU, float32 on the CPU
+
+    def problems(self) -> list[str]:
+        out = []
+        if not 0 < self.clip_seconds[0] <= self.clip_seconds[1]:
+            out.append(f"clip_seconds={list(self.clip_seconds)}: a range [low, high] of positive lengths")
+        if self.clips_per_video < 1:
+            out.append(f"clips_per_video={self.clips_per_video}: at least 1")
+        if not 0.0 <= self.heldout < 1.0:
+            out.append(f"heldout={self.heldout}: a share of the videos, in [0, 1)")
+        if self.prompts is not None and not isinstance(self.prompts, (str, list, tuple)):
+            out.append(f"prompts={self.prompts!r}: a list of prompts, or a .txt / .json file of them")
+        if self.target_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            out.append(f"target_dtype={self.target_dtype!r}: auto, float32, bfloat16 or float16")
+        if self.eval_clips < 0:
+            out.append(f"eval_clips={self.eval_clips}: 0 or more")
+        return out
+
+
+def user_source(data: dict | None) -> dict | None:
+    """The `data:` block when it names the user's videos (a path, a folder or a manifest), else None
+    (the recipe's own toy-world examples)."""
+    return data if data and any(data.get(k) for k in ("path", "folder", "manifest")) else None
+
+
+def clip_rate(config: UserDataConfig, lm) -> tuple[float, int]:
+    """(frames a second, frame side) the target sees the clips at: the settings, else its own."""
+    return float(config.fps or lm.fps or 1.0), int(config.size or (lm.frame_size[0] if lm.frame_size else 448))
+
+
+def target_dtype(config: UserDataConfig, device: torch.device) -> str:
+    """The dtype the frozen target is loaded in: the setting, or bfloat16 on a GPU and float32 on the CPU."""
+    if config.target_dtype != "auto":
+        return config.target_dtype
+    return "bfloat16" if device.type == "cuda" else "float32"
 
 
 @dataclass(frozen=True)
@@ -170,3 +225,72 @@ class ExampleCache:
 
     def skipped(self) -> dict[str, str]:
         return {p.stem: p.read_text().strip() for p in sorted(self.dir.glob("clip-*.skip"))}
+
+
+@dataclass
+class UserExamples:
+    """What a recipe trains and checks on, made from the user's videos by `user_examples`."""
+
+    train: list[dict]                           # the training clips' examples
+    heldout: list[dict]                         # the held-out clips' examples
+    eval_clips: list[tuple[Clip, torch.Tensor]]   # up to `eval_clips` held-out clips with their frames
+    trained_on: dict = field(default_factory=dict)   # for the card and training.json
+    fps: float = 1.0
+    size: int = 448
+
+
+def user_examples(source: dict, config: UserDataConfig, lm, target: str, *, recipe: str, key: dict,
+                  make: Callable[[Clip, torch.Tensor], dict], memory: Callable[[int, int], Any] | None = None,
+                  progress: bool | None = None) -> UserExamples:
+    """The examples of the clips of `source`'s videos (a `data:` block) for `lm` (the target, loaded
+    from `target`), each `make(clip, frames)`
+    (frames: uint8 [n, 3, size, size] at the target's rate) built once into the example cache named
+    by `key` + the clips. `memory(frames, size)` checks the longest clip fits before anything is
+    built. Raises graph.spec.ConfigError (prefixed by `recipe`) when the data cannot be used."""
+    from graph.spec import ConfigError
+    from stages.source import load_requests
+    from video.quickcodec import DecoderPool
+
+    fps, size = clip_rate(config, lm)
+    default_prompt = source.get("prompt")
+    try:
+        prompts = load_prompts(config.prompts if config.prompts is not None
+                               else [default_prompt or "describe the video ."])
+        clips, skipped = plan_clips(load_requests(source), clip_seconds=tuple(config.clip_seconds),
+                                    clips_per_video=config.clips_per_video, heldout=config.heldout,
+                                    seed=config.clip_seed, prompts=prompts, default_prompt=default_prompt)
+    except ValueError as e:
+        raise ConfigError(f"{recipe}: {e}") from None
+    if memory is not None:
+        memory(int(config.clip_seconds[1] * fps) + 1, size)
+    cache = ExampleCache(config.cache, {**key, **target_fingerprint(target), "dtype": str(lm.dtype),
+                                        "fps": fps, "size": size,
+                                        "clips": [[k.video, k.start, k.seconds, k.prompt] for k in clips]})
+    with DecoderPool(1) as pool:
+        paths = cache.build(clips, lambda clip: make(clip, decode_clip(clip, pool, fps, size)), progress=progress,
+                            desc="target answers")
+        held = [k for k, p in zip(clips, paths) if p is not None and k.heldout]
+        eval_clips = [(k, decode_clip(k, pool, fps, size)) for k in held[:config.eval_clips]]
+    train = [torch.load(p) for k, p in zip(clips, paths) if p is not None and not k.heldout]
+    heldout = [torch.load(p) for k, p in zip(clips, paths) if p is not None and k.heldout]
+    if not train:
+        raise ConfigError(f"{recipe}: no training clip could be made ({len(cache.skipped())} skipped; see "
+                          f"{cache.dir}); every clip is held out or unreadable")
+    trained_on = {"data": {k: v for k, v in source.items() if v and k != "toy"},
+                  "videos": len({k.video for k in clips}), "videos_skipped": skipped,
+                  "clips": len(train), "heldout_clips": len(heldout), "clips_skipped": len(cache.skipped()),
+                  "fps": fps, "size": size, "prompts": prompts[:8], "example_cache": str(cache.dir)}
+    log.info("examples: %d training clips and %d held-out clips from %d videos (%s)", len(train), len(heldout),
+             len({k.video for k in clips}), cache.dir)
+    return UserExamples(train, heldout, eval_clips, trained_on, fps, size)
+
+
+def decode_clip(clip: Clip, pool, fps: float, size: int) -> torch.Tensor:
+    """uint8 [n, 3, size, size]: the clip's frames at `fps` (QuickCodec on `pool`)."""
+    import numpy as np
+
+    from video.quickcodec import quickcodec_groups
+
+    times = clip.start + np.arange(max(1, int(round(clip.seconds * fps)))) / fps
+    groups = list(quickcodec_groups(clip.video, pool, seconds=times.tolist(), size=size))
+    return torch.cat([g.frames for g in groups])

@@ -25,18 +25,6 @@ TARGET = "zoo/weights/qwen-target"
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """Four toy videos as plain files (their truth unused), 12 s at 8 fps."""
-    from zoo.videos import ensure_video
-
-    d = tmp_path_factory.mktemp("my-videos")
-    for seed in range(4000, 4004):
-        path, _ = ensure_video(seed, 12, 8, workers=1)
-        shutil.copy(path, d / f"clip{seed}.mp4")
-    return d
-
-
 def short_run(folder, out, cache, **keys) -> dict:
     settings = dict(target=TARGET, max_new_tokens=8, steps=6, batch_examples=2, loader_workers=0, eval_every=3,
                     log_every=1, warmup=2, clip_seconds=(2.0, 4.0), clips_per_video=2, heldout=0.25, eval_clips=1,
