@@ -38,7 +38,7 @@ from models.decoding import decode, prefill_video
 from models.load import load_model
 from zoo.train import loop
 from zoo.train.config import LoopConfig, parse_flat
-from zoo.train.user_data import UserDataConfig, clip_rate, target_dtype, user_examples, user_source
+from zoo.train.user_data import TargetRecipe, UserDataConfig, clip_rate, user_examples, user_source
 
 log = logging.getLogger("reelflow.train")
 
@@ -145,14 +145,8 @@ def answer_logits(net, batch: dict) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ the recipe
 
-class DraftRecipe(loop.Recipe):
+class DraftRecipe(TargetRecipe, loop.Recipe):
     name = "draft"
-
-    def __init__(self, config: DraftTrainConfig, videos: UserDataConfig | None = None, data: dict | None = None,
-                 progress: bool | None = None):
-        self.config, self.videos, self.source, self.progress = config, videos or UserDataConfig(), data, progress
-        self.eval_clips: list = []
-        self.trained_on: dict = {"data": "the toy world"}
 
     def build(self, device: torch.device) -> list[torch.nn.Parameter]:
         from transformers import AutoModelForImageTextToText
@@ -163,8 +157,7 @@ class DraftRecipe(loop.Recipe):
 
         c = self.config
         self.device = device
-        self.lm = load_model(c.target, dtype=target_dtype(self.videos, device), device=str(device))
-        self.lm.model.requires_grad_(False)
+        self.load_target(device)
         if c.init:
             try:
                 self.vocab = shared_vocabulary(tokenizer_of(c.target), tokenizer_of(c.init))

@@ -43,14 +43,13 @@ import torch
 import torch.nn.functional as F
 
 from models.decoding import greedy_answer
-from models.load import load_model
 from models.sparrow import SparrowConfig, SparrowHead
 from zoo import WEIGHTS
 from zoo.shapes import FPS
 from zoo.train import loop
 from zoo.train.config import LoopConfig, parse_flat
 from zoo.train.data import example
-from zoo.train.user_data import UserDataConfig, clip_rate, target_dtype, user_examples, user_source
+from zoo.train.user_data import TargetRecipe, UserDataConfig, clip_rate, user_examples, user_source
 
 log = logging.getLogger("reelflow.train")
 
@@ -125,22 +124,14 @@ def head_inputs(item: dict) -> dict:
 
 # ------------------------------------------------------------------------------ the recipe
 
-class SparrowRecipe(loop.Recipe):
+class SparrowRecipe(TargetRecipe, loop.Recipe):
     name = "sparrow"
-
-    def __init__(self, config: SparrowTrainConfig, videos: UserDataConfig | None = None, data: dict | None = None,
-                 progress: bool | None = None):
-        self.config, self.videos, self.source, self.progress = config, videos or UserDataConfig(), data, progress
-        self.eval_clips: list = []
-        self.trained_on: dict = {"data": "the toy world"}
 
     def build(self, device: torch.device) -> list[torch.nn.Parameter]:
         from tqdm import tqdm
 
         c = self.config
-        self.lm = load_model(c.target, dtype=target_dtype(self.videos, device), device=str(device))
-        for p in self.lm.model.parameters():
-            p.requires_grad_(False)
+        self.load_target(device)
         self.tap = c.tap_layer or self.lm.n_layers // 2
         self.head = SparrowHead(SparrowConfig.of_target(self.lm, target=Path(c.target).name, tap_layer=self.tap,
                                                         vata=c.vata, ivsb=c.ivsb, mtp=c.mtp)).to(device)
@@ -156,7 +147,8 @@ class SparrowRecipe(loop.Recipe):
         self.data = []
         for i in tqdm(range(c.examples), desc="target answers", mininterval=5):
             ex = example(10_000 + i, rng.uniform(*c.seconds), self.fps)
-            self.data.append(head_inputs(target_states(self.lm, ex.frames, self.fps, ex.prompt, c.max_new_tokens, self.tap)))
+            self.data.append(head_inputs(target_states(self.lm, ex.frames, self.fps, ex.prompt, c.max_new_tokens,
+                                                       self.tap)))
         self.eval_sets = {f"{m}x": [head_inputs(target_states(self.lm, e.frames, m * self.fps, e.prompt,
                                                                 c.max_new_tokens, self.tap))
                                     for e in (example(s, 30.0, m * self.fps) for s in EVAL_SEEDS)]

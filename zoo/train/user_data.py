@@ -35,9 +35,8 @@ import torch
 
 log = logging.getLogger("reelflow.train")
 
-__all__ = ["Clip", "ExampleCache", "UserDataConfig", "UserExamples", "decode_clip", "load_prompts", "plan_clips",
-           "clip_rate", "target_dtype", "target_fingerprint", "user_examples",
-           "user_source"]
+__all__ = ["Clip", "ExampleCache", "TargetRecipe", "UserDataConfig", "UserExamples", "clip_rate", "decode_clip",
+           "load_prompts", "plan_clips", "target_dtype", "target_fingerprint", "user_examples", "user_source"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +70,26 @@ class UserDataConfig:
         if self.eval_clips < 0:
             out.append(f"eval_clips={self.eval_clips}: 0 or more")
         return out
+
+
+class TargetRecipe:
+    """What a recipe that learns from a frozen target's answers shares (zoo.train.sparrow's head,
+    zoo.train.draft's draft): its settings, the user's videos or none (the toy world), and the
+    target loaded read-only. Mixed in before loop.Recipe."""
+
+    def __init__(self, config, videos: UserDataConfig | None = None, data: dict | None = None,
+                 progress: bool | None = None):
+        self.config, self.videos, self.source, self.progress = config, videos or UserDataConfig(), data, progress
+        self.eval_clips: list = []
+        self.trained_on: dict = {"data": "the toy world"}
+
+    def load_target(self, device: torch.device):
+        """The target (`config.target`) on `device` in `videos.target_dtype`, frozen."""
+        from models.load import load_model
+
+        self.lm = load_model(self.config.target, dtype=target_dtype(self.videos, device), device=str(device))
+        self.lm.model.requires_grad_(False)
+        return self.lm
 
 
 def user_source(data: dict | None) -> dict | None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from graph.spec import ConfigError
+from tests.zoo.train.conftest import cache_stamps
 from zoo.train.draft import distill_terms, target_answer, train
 
 TARGET = "zoo/weights/qwen-target"
@@ -81,30 +82,20 @@ def test_a_draft_distilled_on_a_folder_saves_loadable_with_its_card_and_agreemen
     draft = load_model(str(out))
     assert draft.arch == "qwen2_5_vl" and draft.fps == 2.0
     # the cache is reused: a second run builds nothing
-    cache_dir = Path(result["trained_on"]["example_cache"])
-    stamps = {p.name: p.stat().st_mtime_ns for p in cache_dir.glob("clip-*.pt")}
+    stamps = cache_stamps(result)
     short_run(folder, tmp_path / "draft2", tmp_path / "cache", steps=2, eval_every=0)
-    assert {p.name: p.stat().st_mtime_ns for p in cache_dir.glob("clip-*.pt")} == stamps
+    assert cache_stamps(result) == stamps
 
 
-def test_ctrl_c_then_resume_gives_the_uninterrupted_runs_weights(folder, tmp_path, monkeypatch):
+def test_ctrl_c_then_resume_gives_the_uninterrupted_runs_weights(folder, tmp_path, ctrl_c):
     from zoo.train import draft
 
     whole = short_run(folder, tmp_path / "whole", tmp_path / "cache", steps=8, eval_every=0)
-    calls = {"n": 0}
-    loss = draft.DraftRecipe.loss
-
-    def stopping(self, batch):
-        calls["n"] += 1
-        if calls["n"] == 6:
-            raise KeyboardInterrupt
-        return loss(self, batch)
-
-    monkeypatch.setattr(draft.DraftRecipe, "loss", stopping)
+    ctrl_c(draft.DraftRecipe, 6)
     with pytest.raises(KeyboardInterrupt):
         short_run(folder, tmp_path / "split", tmp_path / "cache", steps=8, eval_every=0)
     assert (tmp_path / "split" / "training-state.pt").exists()
-    monkeypatch.setattr(draft.DraftRecipe, "loss", loss)
+    ctrl_c.undo()
     resumed = short_run(folder, tmp_path / "split", tmp_path / "cache", steps=8, eval_every=0, resume=True)
     assert resumed["resumed_at"] == 5 and resumed["steps"] == 8 and whole["resumed_at"] is None
     a, b = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "split" / "model.safetensors")

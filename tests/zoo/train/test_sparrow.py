@@ -12,9 +12,9 @@ import torch
 from graph.spec import ConfigError
 from models.load import load_model
 from models.sparrow import SparrowHead
+from zoo.train.data import example
 from zoo.train.recipes import check, recipe_of
 from zoo.train.sparrow import head_inputs, target_states, train
-from zoo.train.data import example
 
 TARGET = "zoo/weights/qwen-target"
 

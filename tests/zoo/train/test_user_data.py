@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from graph.spec import ConfigError
 from stages.source import load_requests
 from stages.types import Request
+from tests.zoo.train.conftest import cache_stamps
 from zoo.train.sparrow import train
 from zoo.train.user_data import ExampleCache, load_prompts, plan_clips
 
@@ -132,30 +133,20 @@ def test_a_head_trained_on_a_folder_saves_with_its_card_and_agreement(folder, tm
     card = (out / "README.md").read_text()
     assert str(folder) in card and "accepted_length_heldout" in card and "model.sparrow=" in card
     # the cache is reused: a second run builds nothing
-    cache_dir = Path(result["trained_on"]["example_cache"])
-    stamps = {p.name: p.stat().st_mtime_ns for p in cache_dir.glob("clip-*.pt")}
+    stamps = cache_stamps(result)
     short_run(folder, tmp_path / "head2", tmp_path / "cache", steps=2, eval_every=0)
-    assert {p.name: p.stat().st_mtime_ns for p in cache_dir.glob("clip-*.pt")} == stamps
+    assert cache_stamps(result) == stamps
 
 
-def test_ctrl_c_then_resume_gives_the_uninterrupted_runs_weights(folder, tmp_path, monkeypatch):
+def test_ctrl_c_then_resume_gives_the_uninterrupted_runs_weights(folder, tmp_path, ctrl_c):
     from zoo.train import sparrow
 
     whole = short_run(folder, tmp_path / "whole", tmp_path / "cache", steps=8, eval_every=0)
-    calls = {"n": 0}
-    loss = sparrow.SparrowRecipe.loss
-
-    def stopping(self, batch):
-        calls["n"] += 1
-        if calls["n"] == 6:
-            raise KeyboardInterrupt
-        return loss(self, batch)
-
-    monkeypatch.setattr(sparrow.SparrowRecipe, "loss", stopping)
+    ctrl_c(sparrow.SparrowRecipe, 6)
     with pytest.raises(KeyboardInterrupt):
         short_run(folder, tmp_path / "split", tmp_path / "cache", steps=8, eval_every=0)
     assert (tmp_path / "split" / "training-state.pt").exists() and not (tmp_path / "split" / "head.safetensors").exists()
-    monkeypatch.setattr(sparrow.SparrowRecipe, "loss", loss)
+    ctrl_c.undo()
     with pytest.raises(ConfigError, match="other settings: lr"):
         short_run(folder, tmp_path / "split", tmp_path / "cache", steps=8, eval_every=0, resume=True, lr=1e-2)
     resumed = short_run(folder, tmp_path / "split", tmp_path / "cache", steps=8, eval_every=0, resume=True)
