@@ -45,7 +45,9 @@ class LoopConfig:
     resume: bool = False               # go on from the training state saved in `out` (same settings)
 
     def problems(self) -> list[str]:
-        from zoo.train.device import resolve_device   # torch: only when a config is checked
+        from zoo.train.device import (
+            resolve_device,  # torch: only when a config is checked
+        )
 
         out = _at_least(self, steps=1, warmup=1, log_every=1, eval_every=0, checkpoint_every=0)
         if self.precision not in PRECISIONS:

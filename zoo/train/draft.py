@@ -38,7 +38,13 @@ from models.decoding import decode, prefill_video
 from models.load import load_model
 from zoo.train import loop
 from zoo.train.config import LoopConfig, parse_flat
-from zoo.train.user_data import TargetRecipe, UserDataConfig, clip_rate, user_examples, user_source
+from zoo.train.user_data import (
+    TargetRecipe,
+    UserDataConfig,
+    clip_rate,
+    user_examples,
+    user_source,
+)
 
 log = logging.getLogger("reelflow.train")
 
@@ -201,8 +207,8 @@ class DraftRecipe(TargetRecipe, loop.Recipe):
         made = user_examples(self.source, self.videos, lm, c.target, recipe="train_draft", memory=memory,
                              key={"examples": "draft distillation", "version": 1, "max_new_tokens": c.max_new_tokens,
                                   "topk": c.topk, "vocab": self.vocab},
-                             make=lambda clip, frames: target_answer(lm, frames, self.fps, clip.prompt,
-                                                                     c.max_new_tokens, c.topk, self.vocab),
+                             make=lambda clip, frames, fps: target_answer(lm, frames, fps, clip.prompt,
+                                                                          c.max_new_tokens, c.topk, self.vocab),
                              progress=self.progress)
         self.data, self.heldout = made.train, made.heldout
         self.eval_clips, self.trained_on = made.eval_clips, made.trained_on
@@ -286,15 +292,15 @@ class DraftRecipe(TargetRecipe, loop.Recipe):
         from models.load import adapted
         from zoo.train.acceptance import draft_accepted_length
 
-        clips = ([(k.prompt, frames) for k, frames in self.eval_clips] if self.source
-                 else [(it["prompt"], it["frames"]) for it in self.heldout])
+        clips = ([(k.prompt, frames, fps) for k, frames, fps in self.eval_clips] if self.source
+                 else [(it["prompt"], it["frames"], it["fps"]) for it in self.heldout])
         committed = rounds = 0
         dtype = next(self.net.parameters()).dtype
         net = self.net if dtype == self.lm.dtype else _copy_to(self.net, self.lm.dtype)
         with adapted(net, self.lm.tokenizer, {"image_mean": list(self.lm.mean), "image_std": list(self.lm.std),
                                                "fps": self.fps}) as draft:
-            for prompt, frames in clips:
-                c, r = draft_accepted_length(self.lm, draft, frames, self.fps, prompt,
+            for prompt, frames, fps in clips:
+                c, r = draft_accepted_length(self.lm, draft, frames, fps, prompt,
                                              max_new_tokens=self.config.max_new_tokens, window=self.config.window,
                                              check=check)
                 committed, rounds = committed + c, rounds + r

@@ -49,7 +49,13 @@ from zoo.shapes import FPS
 from zoo.train import loop
 from zoo.train.config import LoopConfig, parse_flat
 from zoo.train.data import example
-from zoo.train.user_data import TargetRecipe, UserDataConfig, clip_rate, user_examples, user_source
+from zoo.train.user_data import (
+    TargetRecipe,
+    UserDataConfig,
+    clip_rate,
+    user_examples,
+    user_source,
+)
 
 log = logging.getLogger("reelflow.train")
 
@@ -170,8 +176,8 @@ class SparrowRecipe(TargetRecipe, loop.Recipe):
         made = user_examples(self.source, self.videos, lm, c.target, recipe="train_sparrow", memory=memory,
                              key={"examples": "sparrow head inputs", "version": 1, "tap_layer": self.tap,
                                   "max_new_tokens": c.max_new_tokens},
-                             make=lambda clip, frames: head_inputs(target_states(lm, frames, self.fps, clip.prompt,
-                                                                                 c.max_new_tokens, self.tap)),
+                             make=lambda clip, frames, fps: head_inputs(target_states(lm, frames, fps, clip.prompt,
+                                                                                      c.max_new_tokens, self.tap)),
                              progress=self.progress)
         self.data, self.eval_sets = made.train, {"heldout": made.heldout}
         self.eval_clips, self.trained_on = made.eval_clips, made.trained_on
@@ -252,10 +258,10 @@ class SparrowRecipe(TargetRecipe, loop.Recipe):
             from zoo.train.acceptance import head_accepted_length
 
             committed = rounds = 0
-            for clip, frames in self.eval_clips:
+            for clip, frames, fps in self.eval_clips:
                 # in fp32 the final check also decodes plainly and fails if the tokens differ (in bf16 a
                 # k-token verification and k single steps may break a near tie differently)
-                c, r = head_accepted_length(self.lm, self._inference_head(), frames, self.fps, clip.prompt,
+                c, r = head_accepted_length(self.lm, self._inference_head(), frames, fps, clip.prompt,
                                             max_new_tokens=self.config.max_new_tokens,
                                             check=final and self.lm.dtype == torch.float32)
                 committed, rounds = committed + c, rounds + r

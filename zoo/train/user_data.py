@@ -54,6 +54,8 @@ class UserDataConfig:
     size: int | None = None                     # frame side it sees (None: its own, else 448)
     eval_clips: int = 8                         # held-out clips the accepted length is measured on
     target_dtype: str = "auto"                  # auto: bfloat16 on a GPU, float32 on the CPU
+    rate_scale: tuple[int, int] | None = None   # [low, high]: some clips at that many times `fps` (None: none)
+    rate_share: float = 0.5                     # ... the share of the clips
 
     def problems(self) -> list[str]:
         out = []
@@ -69,6 +71,10 @@ class UserDataConfig:
             out.append(f"target_dtype={self.target_dtype!r}: auto, float32, bfloat16 or float16")
         if self.eval_clips < 0:
             out.append(f"eval_clips={self.eval_clips}: 0 or more")
+        if self.rate_scale is not None and not 1 <= self.rate_scale[0] <= self.rate_scale[1]:
+            out.append(f"rate_scale={list(self.rate_scale)}: a range [low, high] of integer factors, 1 or more")
+        if not 0.0 <= self.rate_share <= 1.0:
+            out.append(f"rate_share={self.rate_share}: a share of the clips, in [0, 1]")
         return out
 
 
@@ -119,10 +125,12 @@ class Clip:
     seconds: float
     prompt: str
     heldout: bool         # kept out of training: the agreement check's clips
+    rate: int = 1         # sampled at this many times the target's frame rate
 
     @property
     def name(self) -> str:
-        return f"{Path(self.video).name}@{self.start:.2f}+{self.seconds:.2f}"
+        rate = f"x{self.rate}" if self.rate != 1 else ""
+        return f"{Path(self.video).name}@{self.start:.2f}+{self.seconds:.2f}{rate}"
 
 
 def load_prompts(prompts: Any) -> list[str]:
@@ -149,15 +157,20 @@ def load_prompts(prompts: Any) -> list[str]:
 
 
 def plan_clips(requests: list, *, clip_seconds: tuple[float, float], clips_per_video: int, heldout: float,
-               seed: int, prompts: list[str], default_prompt: str | None = None) -> tuple[list[Clip], dict[str, str]]:
+               seed: int, prompts: list[str], default_prompt: str | None = None,
+               rate_scale: tuple[int, int] | None = None, rate_share: float = 0.5) -> tuple[list[Clip], dict[str, str]]:
     """The clips to train and check on: `clips_per_video` from each request's video, lengths drawn
     in `clip_seconds`, starts anywhere they fit; a request's own prompt (a manifest row's) when it
     differs from `default_prompt`, else one of `prompts` in turn. `heldout` of the videos (at least
     one when there are two or more) are kept out of training; with one video, that share of its
-    clips. Returns (clips, {video: why it was skipped}) for the videos that cannot be read."""
+    clips. `rate_scale` [low, high]: `rate_share` of the clips are sampled at that many times the
+    target's frame rate, an integer drawn in the range (more visual tokens for the same seconds, as
+    Qwen2.5-VL is trained with dynamic frame rates); their own random stream, so the clips' lengths
+    and starts do not depend on it. Returns (clips, {video: why it was skipped}) for the videos that
+    cannot be read."""
     from video.codec import VideoError, scan
 
-    rng = random.Random(seed)
+    rng, rates = random.Random(seed), random.Random(f"rates-{seed}")
     durations: dict[str, float] = {}
     skipped: dict[str, str] = {}
     for request in requests:
@@ -184,8 +197,9 @@ def plan_clips(requests: list, *, clip_seconds: tuple[float, float], clips_per_v
             prompt = own or prompts[turn % len(prompts)]
             turn += own is None
             one_video_heldout = len(videos) == 1 and k >= clips_per_video - round(heldout * clips_per_video)
+            rate = rates.randint(*rate_scale) if rate_scale and rates.random() < rate_share else 1
             clips.append(Clip(request.video, round(start, 3), round(length, 3), prompt,
-                              request.video in held or one_video_heldout))
+                              request.video in held or one_video_heldout, rate))
     return clips, skipped
 
 
@@ -252,18 +266,18 @@ class UserExamples:
 
     train: list[dict]                           # the training clips' examples
     heldout: list[dict]                         # the held-out clips' examples
-    eval_clips: list[tuple[Clip, torch.Tensor]]   # up to `eval_clips` held-out clips with their frames
+    eval_clips: list[tuple[Clip, torch.Tensor, float]]   # up to `eval_clips` held-out clips, their frames and rate
     trained_on: dict = field(default_factory=dict)   # for the card and training.json
     fps: float = 1.0
     size: int = 448
 
 
 def user_examples(source: dict, config: UserDataConfig, lm, target: str, *, recipe: str, key: dict,
-                  make: Callable[[Clip, torch.Tensor], dict], memory: Callable[[int, int], Any] | None = None,
+                  make: Callable[[Clip, torch.Tensor, float], dict], memory: Callable[[int, int], Any] | None = None,
                   progress: bool | None = None) -> UserExamples:
     """The examples of the clips of `source`'s videos (a `data:` block) for `lm` (the target, loaded
-    from `target`), each `make(clip, frames)`
-    (frames: uint8 [n, 3, size, size] at the target's rate) built once into the example cache named
+    from `target`), each `make(clip, frames, fps)` (frames: uint8 [n, 3, size, size] at `fps`, the
+    target's rate times the clip's `rate`) built once into the example cache named
     by `key` + the clips. `memory(frames, size)` checks the longest clip fits before anything is
     built. Raises graph.spec.ConfigError (prefixed by `recipe`) when the data cannot be used."""
     from graph.spec import ConfigError
@@ -277,19 +291,22 @@ def user_examples(source: dict, config: UserDataConfig, lm, target: str, *, reci
                                else [default_prompt or "describe the video ."])
         clips, skipped = plan_clips(load_requests(source), clip_seconds=tuple(config.clip_seconds),
                                     clips_per_video=config.clips_per_video, heldout=config.heldout,
-                                    seed=config.clip_seed, prompts=prompts, default_prompt=default_prompt)
+                                    seed=config.clip_seed, prompts=prompts, default_prompt=default_prompt,
+                                    rate_scale=config.rate_scale, rate_share=config.rate_share)
     except ValueError as e:
         raise ConfigError(f"{recipe}: {e}") from None
     if memory is not None:
-        memory(int(config.clip_seconds[1] * fps) + 1, size)
+        memory(int(config.clip_seconds[1] * fps * max(k.rate for k in clips)) + 1, size)
+    # a clip at the target's own rate keeps the key it had before clips could have other rates
+    listed = [[k.video, k.start, k.seconds, k.prompt] + ([k.rate] if k.rate != 1 else []) for k in clips]
     cache = ExampleCache(config.cache, {**key, **target_fingerprint(target), "dtype": str(lm.dtype),
-                                        "fps": fps, "size": size,
-                                        "clips": [[k.video, k.start, k.seconds, k.prompt] for k in clips]})
+                                        "fps": fps, "size": size, "clips": listed})
     with DecoderPool(1) as pool:
-        paths = cache.build(clips, lambda clip: make(clip, decode_clip(clip, pool, fps, size)), progress=progress,
+        paths = cache.build(clips, lambda k: make(k, decode_clip(k, pool, fps * k.rate, size), fps * k.rate),
+                            progress=progress,
                             desc="target answers")
         held = [k for k, p in zip(clips, paths) if p is not None and k.heldout]
-        eval_clips = [(k, decode_clip(k, pool, fps, size)) for k in held[:config.eval_clips]]
+        eval_clips = [(k, decode_clip(k, pool, fps * k.rate, size), fps * k.rate) for k in held[:config.eval_clips]]
     train = [torch.load(p) for k, p in zip(clips, paths) if p is not None and not k.heldout]
     heldout = [torch.load(p) for k, p in zip(clips, paths) if p is not None and k.heldout]
     if not train:

@@ -140,3 +140,12 @@ def test_random_shapes_train_from_the_toy_world_for_timing(tmp_path):
                    out=str(tmp_path / "draft"), checkpoint_every=0)
     assert result["trained_on"]["data"] == "the toy world" and result["steps"] == 3
     assert (tmp_path / "draft" / "model.safetensors").exists() and result["accepted_length_heldout"] >= 1.0
+
+
+def test_clips_at_a_multiple_of_the_frame_rate_are_answered_at_that_rate(folder, tmp_path):
+    result = short_run(folder, tmp_path / "draft", tmp_path / "cache", steps=1, eval_every=0, rate_scale=(2, 2),
+                       rate_share=1.0)
+    clips = json.loads((Path(result["trained_on"]["example_cache"]) / "clips.json").read_text())
+    example = torch.load(Path(result["trained_on"]["example_cache"]) / "clip-00000.pt")
+    assert {c["rate"] for c in clips} == {2} and example["fps"] == 4.0
+    assert example["frames"].shape[0] == round(clips[0]["seconds"] * 4.0)

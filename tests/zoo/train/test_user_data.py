@@ -87,6 +87,16 @@ def test_prompts_from_a_list_a_text_file_or_json_and_a_bad_file_is_named(tmp_pat
         load_prompts(str(tmp_path / "missing.txt"))
 
 
+def test_some_clips_can_be_sampled_at_a_multiple_of_the_frame_rate_without_moving_the_others(folder):
+    requests = load_requests({"folder": str(folder)})
+    plain, _ = plan_clips(requests, clip_seconds=(2, 5), clips_per_video=8, heldout=0.0, seed=0, prompts=["p"])
+    scaled, _ = plan_clips(requests, clip_seconds=(2, 5), clips_per_video=8, heldout=0.0, seed=0, prompts=["p"],
+                           rate_scale=(2, 4), rate_share=0.5)
+    assert [(c.video, c.start, c.seconds) for c in plain] == [(c.video, c.start, c.seconds) for c in scaled]
+    assert {c.rate for c in plain} == {1} and {c.rate for c in scaled} <= {1, 2, 3, 4}
+    assert 8 <= sum(c.rate > 1 for c in scaled) <= 24          # about half of the 32, drawn
+
+
 # ------------------------------------------------------------------------------ the example cache
 
 def test_the_cache_builds_once_resumes_after_an_interruption_and_a_bad_clip_costs_only_itself(folder, tmp_path):
