@@ -244,9 +244,17 @@ class DraftRecipe(TargetRecipe, loop.Recipe):
     def batches(self, steps: int, seed: int, start: int = 0):
         return _DraftBatches(self, seed, start)
 
-    def inputs(self, items: list[dict]) -> dict:
-        """The transformers forward's batch of `items` (cached examples) with their answers as labels,
-        and the target's top-k at those answers."""
+    def inputs(self, items: list[dict]) -> list[dict]:
+        """The transformers forward's batches of `items` (cached examples) with their answers as
+        labels, and the target's top-k at those answers: one batch for Qwen2.5-VL, whose forward
+        takes videos of any lengths together; for LLaVA-OneVision, whose forward stacks its videos,
+        one batch per frame count."""
+        if self.arch == "qwen2_5_vl":
+            return [self._batch(items)]
+        counts = sorted({it["frames"].shape[0] for it in items})
+        return [self._batch([it for it in items if it["frames"].shape[0] == n]) for n in counts]
+
+    def _batch(self, items: list[dict]) -> dict:
         from zoo.train.data import Example, model_inputs
 
         examples = [Example(it["frames"], it["prompt"], None, None, fps=it["fps"], answer_ids=it["answer"].tolist())
@@ -257,10 +265,18 @@ class DraftRecipe(TargetRecipe, loop.Recipe):
         batch["top_logp"] = torch.cat([it["top_logp"] for it in items])
         return batch
 
-    def loss(self, batch: dict) -> dict[str, torch.Tensor]:
-        batch = dict(batch)
-        answer, top_ids, top_logp = batch.pop("answer"), batch.pop("top_ids"), batch.pop("top_logp")
-        ce, kl = distill_terms(answer_logits(self.net, batch), answer, top_ids, top_logp)
+    def _forward(self, batches: list[dict]) -> tuple[torch.Tensor, ...]:
+        """(the draft's logits [N, V] at every answer position of the batches, the answers [N], the
+        target's top-k ids and log-probabilities [N, k] there)."""
+        out = []
+        for batch in batches:
+            batch = dict(batch)
+            answer, top_ids, top_logp = batch.pop("answer"), batch.pop("top_ids"), batch.pop("top_logp")
+            out.append((answer_logits(self.net, batch), answer, top_ids, top_logp))
+        return tuple(torch.cat(parts) for parts in zip(*out))
+
+    def loss(self, batches: list[dict]) -> dict[str, torch.Tensor]:
+        ce, kl = distill_terms(*self._forward(batches))
         c = self.config
         return {"loss": c.ce_weight * ce + c.kl_weight * kl, "ce": ce, "kl": kl}
 
@@ -270,11 +286,10 @@ class DraftRecipe(TargetRecipe, loop.Recipe):
         self.net.eval()
         hits = total = 0
         for i in range(0, len(self.heldout), self.config.batch_examples):
-            items = self.heldout[i:i + self.config.batch_examples]
-            batch = {k: v.to(self.device) for k, v in self.inputs(items).items()}
-            answer = batch.pop("answer")
-            del batch["top_ids"], batch["top_logp"]
-            hits += int((answer_logits(self.net, batch).argmax(-1) == answer).sum())
+            batches = [{k: v.to(self.device) for k, v in b.items()}
+                       for b in self.inputs(self.heldout[i:i + self.config.batch_examples])]
+            logits, answer, _, _ = self._forward(batches)
+            hits += int((logits.argmax(-1) == answer).sum())
             total += len(answer)
         out = {"top1_heldout": round(hits / max(1, total), 4)}
         if self.eval_clips or not self.source:

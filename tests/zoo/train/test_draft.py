@@ -149,3 +149,12 @@ def test_clips_at_a_multiple_of_the_frame_rate_are_answered_at_that_rate(folder,
     example = torch.load(Path(result["trained_on"]["example_cache"]) / "clip-00000.pt")
     assert {c["rate"] for c in clips} == {2} and example["fps"] == 4.0
     assert example["frames"].shape[0] == round(clips[0]["seconds"] * 4.0)
+
+
+def test_a_llava_draft_trains_on_videos_of_different_lengths_in_one_step(tmp_path):
+    """LLaVA-OneVision's forward stacks its videos: a step's examples go in one batch per frame count."""
+    result = train(progress=False, target="zoo/weights/llava-target", init=None, shape="llava-draft", examples=6,
+                   seconds=(2.0, 5.0), max_new_tokens=6, steps=2, batch_examples=3, loader_workers=0, eval_every=0,
+                   log_every=1, warmup=1, out=str(tmp_path / "draft"), checkpoint_every=0)
+    assert result["steps"] == 2 and result["accepted_length_heldout"] >= 1.0
+    assert (tmp_path / "draft" / "model.safetensors").exists()
