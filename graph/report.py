@@ -26,7 +26,9 @@ of). Rows match their baseline on the other swept keys. Without a `report:` bloc
 keys, wall/ttft/decode/ideal/efficiency, and one bar plot of wall_s.
 
 A column, a `relative:` source or a name in a `derived:` expression that no job has and the block
-does not define is an error naming it and the closest metrics there are, not an empty column.
+does not define is an error naming it and the closest metrics there are, not an empty column. A
+derived column only some methods have is marked `optional: true` (`{expr: ..., optional: true}`):
+blank when the sweep runs none of them.
 """
 
 from __future__ import annotations
@@ -178,6 +180,8 @@ def check_names(rows: list[dict], spec: dict, columns: list[str], functions: dic
         missing(rel["of"], f"relative {rel['name']}")
     for name, expression in derived.items():
         expression = expression if isinstance(expression, dict) else {"expr": expression}
+        if expression.get("optional"):
+            continue                   # blank where no job has what it reads (a method-specific metric)
         aliases = set(expression.get("with") or {})
         for ref in expression_columns(str(expression["expr"])):
             alias, _, rest = ref.partition(".")

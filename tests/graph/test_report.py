@@ -317,6 +317,16 @@ def test_a_column_naming_a_missing_metric_is_an_error_with_the_closest_names(tmp
     assert run.returncode == 2 and "no job has 'ttft_z'" in run.stderr
 
 
+def test_an_optional_derived_column_is_blank_when_no_job_has_what_it_reads(tmp_path):
+    report = {"columns": ["case", "wall_s", "nodes"],
+              "derived": {"nodes": {"expr": "summary.tree_nodes", "optional": True}}}
+    make_job(tmp_path, "0", ["case=a"], metrics(1.0), report)
+    out = write_report(tmp_path)
+    with out["csv"].open() as f:
+        rows = list(csv.DictReader(f))
+    assert rows[0]["nodes"] == "" and rows[0]["wall_s"] != ""
+
+
 def test_derived_columns_call_the_named_formulas_module(tmp_path):
     report = {"columns": ["case", "bound", "eq7"], "formulas": "job.bounds",
               "derived": {"bound": "sd_ms_per_token_bound(window, tq_ms, tp_ms, acceptance)",
