@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from models.compiling import call_at_warmed_threads, record_compile, set_threads, thread_counts
+from models.compiling import call_at_warmed_threads, private_copy, record_compile, set_threads, thread_counts
 
 MODES = ("off", "default", "max-autotune-no-cudagraphs")   # model.<role>.compile, besides "auto" and the captured
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -77,7 +77,7 @@ class CompiledStep:
         if mode not in MODES or mode == "off":
             raise ValueError(f"compile={mode!r}: one of {', '.join(MODES)}")
         self.lean, self.mode = lean, mode
-        self._fn = torch.compile(layers_step, dynamic=True, mode=None if mode == "default" else mode)
+        self._fn = torch.compile(private_copy(layers_step), dynamic=True, mode=None if mode == "default" else mode)
         self.threads: tuple[int, ...] = (torch.get_num_threads(),)       # what warm compiled for
 
     def __call__(self, embeds, cos, sin, prefix_k, prefix_v, mask):

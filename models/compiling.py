@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+import types
 
 import torch
 
@@ -35,6 +36,19 @@ def compile_records(since: float = 0.0) -> list[dict]:
     in a pool of its own process (`kind: process`) or on a Ray worker compiles there, not here."""
     with _RECORDS_LOCK:
         return [{k: r[k] for k in ("what", "mode", "seconds")} for r in _RECORDS if r["at"] >= since]
+
+
+def private_copy(fn):
+    """fn with a code object of its own. torch.compile keeps its compiled graphs, and counts them
+    against its recompile limit (8), per code object: every model whose step compiles the same
+    function shares one list. A target and its draft in one process, each at a one-token and a
+    several-token shape and at two thread counts, fill it, and the next shape (a third model, a
+    process that loads a sweep's models again) silently runs the step eagerly. A copy per model
+    gives each its own list and its own limit."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+    copy.__module__ = fn.__module__      # no __wrapped__: what unwraps it would find the shared code again
+    return copy
 
 
 # torch's thread settings, one thread at a time (the engine's workers take their own lock for theirs)

@@ -136,9 +136,12 @@ class LeanDecoder:
         if self.step is None:
             return self.forward_eager(cache, embeds, positions, mask)
         n = embeds.shape[0]
+        # the step's inputs made here, in inference mode, whatever mode the caller built them in:
+        # a compiled step is guarded on its inputs' dispatch keys and would compile again for a
+        # normal tensor (a copy of a few rows costs nothing beside a step)
+        if not embeds.is_inference():
+            embeds = embeds.clone()
         cos, sin = self._rotary(positions, embeds)
-        # made here, in inference mode, whatever mode the caller built it in: a compiled step is
-        # guarded on its inputs' dispatch keys and would compile again for a normal tensor
         among = mask.clone() if mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
         return self.step.run(cache, embeds, cos, sin, among.to(embeds.device))
 

@@ -25,7 +25,7 @@ import time
 import torch
 
 from models.steps import uncaptured_mode
-from models.compiling import call_at_warmed_threads, record_compile, set_threads, thread_counts
+from models.compiling import call_at_warmed_threads, private_copy, record_compile, set_threads, thread_counts
 from models.sparrow import HeadCache, SparrowHead
 from speculative.protocol import DraftInfo, Proposal, Timer, Verdict
 from speculative.tree import best_subtree, chain_parents, to_expand, tree_depths
@@ -106,7 +106,7 @@ def grower(mode: str, device="cpu"):
         return grow_tree
     key = (mode, thread_counts(device))
     if key not in _COMPILED:
-        compiled = torch.compile(grow_tree, dynamic=True, mode=None if mode == "default" else mode)
+        compiled = torch.compile(private_copy(grow_tree), dynamic=True, mode=None if mode == "default" else mode)
         _COMPILED[key] = functools.partial(call_at_warmed_threads, compiled, key[1])
     return _COMPILED[key]
 

@@ -20,6 +20,7 @@ from tests.models.test_attention import reference
 from zoo.train.data import example
 
 TARGET = "zoo/weights/qwen-target"
+DRAFT = "zoo/weights/qwen-draft"
 
 
 @pytest.mark.parametrize("n, cached, heads, kv_heads, tree", [(1, 50, 4, 2, False), (5, 300, 4, 2, False),
@@ -63,6 +64,21 @@ def test_a_compiled_model_decodes_the_eager_lean_paths_tokens_without_recompilin
         got = score_trees(compiled)
     for g, r in zip(got, score_trees(eager)):
         torch.testing.assert_close(g, r, rtol=0, atol=1e-4)
+
+
+def test_each_compiled_model_keeps_graphs_of_its_own(monkeypatch):
+    """torch.compile keeps at most 8 graphs per code object and runs anything past them eagerly,
+    without a word: a target and a draft of two shapes, each warmed at two thread counts and two
+    token counts, fill a shared list, and a third shape (a third model, a thread count more) ran
+    eagerly. Each model's step has a code object of its own, and compiles its own graphs."""
+    import models.compiled_step
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(models.compiled_step, "thread_counts", lambda device: (1, 2))
+    before = counters["stats"]["unique_graphs"]
+    lms = [load_model(path, compile="default") for path in (DRAFT, DRAFT, "zoo/weights/llava-draft")]
+    assert counters["stats"]["unique_graphs"] - before == 4 * len(lms)
+    assert len({id(lm.lean.step._fn._torchdynamo_orig_callable.__code__) for lm in lms}) == len(lms)
 
 
 def _prefilled(lm, ex):
