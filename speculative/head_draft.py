@@ -94,20 +94,22 @@ def draft_tree(head: SparrowHead, lm, cache: HeadCache, top: torch.Tensor, posit
     return tokens[kept], kept_parents, {"nodes": int(kept.shape[0]), "depth": int(tree_depths(kept_parents).max()) + 1}
 
 
-_COMPILED: dict[tuple, object] = {}       # (mode, thread counts) -> grow_tree compiled, called at those counts
+_COMPILED: dict[tuple, object] = {}       # (mode, device type) -> grow_tree compiled, called at the counts it was warmed for
 
 
 def grower(mode: str, device="cpu"):
     """grow_tree as the head drafts with it: eager for "off", else compiled in that torch.compile
-    mode (models.compiled_step.MODES), once per process and mode, and called at a thread count it
-    was warmed for (warm_tree). Compiled with dynamic shapes, a tree shape (depth, topk) is one
-    compile that serves every cache length and position."""
+    mode (models.compiled_step.MODES), once per process, mode and device type, and called at a
+    thread count it was warmed for (warm_tree: the counts of the first call, at load). The key
+    holds no thread count: an elastic pool changes a worker's count between rounds, and a new key
+    would be a new compile in the middle of a request. Compiled with dynamic shapes, a tree shape
+    (depth, topk) is one compile that serves every cache length and position."""
     if mode == "off":
         return grow_tree
-    key = (mode, thread_counts(device))
+    key = (mode, torch.device(device).type)
     if key not in _COMPILED:
         compiled = torch.compile(private_copy(grow_tree), dynamic=True, mode=None if mode == "default" else mode)
-        _COMPILED[key] = functools.partial(call_at_warmed_threads, compiled, key[1])
+        _COMPILED[key] = functools.partial(call_at_warmed_threads, compiled, thread_counts(device))
     return _COMPILED[key]
 
 
@@ -121,7 +123,7 @@ def warm_tree(head: SparrowHead, lm, *, total: int, depth: int, topk: int) -> fl
     cache = HeadCache.empty(head)
     top = head(cache, torch.zeros(3, head.config.hidden, device=lm.device, dtype=lm.dtype), torch.arange(3))[-1]
     grow = grower(uncaptured_mode(lm.compile), lm.device)
-    counts = thread_counts(lm.device)
+    counts = grow.args[1]            # the thread counts the compiled tree is called at
     try:
         for threads in counts:
             set_threads(threads)

@@ -16,7 +16,7 @@ import torch
 
 from models.load import load_model
 from models.sparrow import HeadCache, SparrowHead
-from speculative.head_draft import draft_tree, grow_tree
+from speculative.head_draft import draft_tree, grow_tree, grower
 
 
 def eagle2_node_by_node(head, lm, cache, top, position, *, total, depth, topk, vocab):
@@ -85,6 +85,21 @@ def test_the_compiled_tree_is_eagle2_node_by_node_without_recompiling(head_and_t
     with torch.compiler.set_stance("fail_on_recompile"):
         check_against_reference(head_and_target, (10, 6, 2), 1, compiled, length=33)
         check_against_reference(head_and_target, (10, 6, 2), 2, compiled, length=57)
+
+
+def test_the_compiled_tree_is_one_function_at_every_thread_count():
+    """An elastic pool moves a worker between thread counts from round to round: the head must keep
+    drafting with the tree compiled at load, not start a new compile (which no recompile check
+    sees, being a first compile of a new function) in the middle of a request."""
+    now = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        at_one = grower("default")
+        torch.set_num_threads(2)
+        assert grower("default") is at_one
+    finally:
+        torch.set_num_threads(now)
+    assert grower("off") is grow_tree
 
 
 def check_against_reference(head_and_target, shape, seed, grow, length=20):
