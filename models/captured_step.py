@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from models.compiled_step import split_attention
-from models.compiling import record_compile
+from models.compiling import private_copy, record_compile
 from models.lean import LayerWeights, rms_norm
 
 MODES = ("cudagraph", "reduce-overhead")
@@ -115,7 +115,8 @@ class CapturedStep:
         self.capture = device.type == "cuda" if capture is None else capture
         if self.capture and device.type != "cuda":
             raise ValueError(f"compile={mode}: CUDA graphs need a CUDA device, the model is on {device}")
-        self._layer = torch.compile(buffered_layer, dynamic=True) if mode == "reduce-overhead" else buffered_layer
+        self._layer = (torch.compile(private_copy(buffered_layer), dynamic=True) if mode == "reduce-overhead"
+                       else buffered_layer)       # a code object per model: see models.compiling.private_copy
         self._indices = [torch.tensor([i], device=device) for i in range(len(lean.layers))]
         self._buckets: dict[int, _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None

@@ -24,9 +24,9 @@ import time
 
 import torch
 
-from models.steps import uncaptured_mode
 from models.compiling import call_at_warmed_threads, private_copy, record_compile, set_threads, thread_counts
 from models.sparrow import HeadCache, SparrowHead
+from models.steps import uncaptured_mode
 from speculative.protocol import DraftInfo, Proposal, Timer, Verdict
 from speculative.tree import best_subtree, chain_parents, to_expand, tree_depths
 
@@ -94,7 +94,7 @@ def draft_tree(head: SparrowHead, lm, cache: HeadCache, top: torch.Tensor, posit
     return tokens[kept], kept_parents, {"nodes": int(kept.shape[0]), "depth": int(tree_depths(kept_parents).max()) + 1}
 
 
-_COMPILED: dict[tuple, object] = {}       # (mode, device type) -> grow_tree compiled, called at the counts it was warmed for
+_COMPILED: dict[tuple, object] = {}       # (mode, device type) -> grow_tree compiled, at its warmed counts
 
 
 def grower(mode: str, device="cpu"):

@@ -71,8 +71,9 @@ def test_each_compiled_model_keeps_graphs_of_its_own(monkeypatch):
     without a word: a target and a draft of two shapes, each warmed at two thread counts and two
     token counts, fill a shared list, and a third shape (a third model, a thread count more) ran
     eagerly. Each model's step has a code object of its own, and compiles its own graphs."""
-    import models.compiled_step
     from torch._dynamo.utils import counters
+
+    import models.compiled_step
 
     monkeypatch.setattr(models.compiled_step, "thread_counts", lambda device: (1, 2))
     before = counters["stats"]["unique_graphs"]
