@@ -42,9 +42,9 @@ def private_copy(fn):
     """fn with a code object of its own. torch.compile keeps its compiled graphs, and counts them
     against its recompile limit (8), per code object: every model whose step compiles the same
     function shares one list. A target and its draft in one process, each at a one-token and a
-    several-token shape and at two thread counts, fill it, and the next shape (a third model, a
-    process that loads a sweep's models again) silently runs the step eagerly. A copy per model
-    gives each its own list and its own limit."""
+    several-token shape and at two thread counts, fill it, and the next shape (a model of a third
+    shape, another thread count) silently runs the step eagerly. A copy per model gives each its
+    own list and its own limit."""
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
     copy.__module__ = fn.__module__      # no __wrapped__: what unwraps it would find the shared code again
