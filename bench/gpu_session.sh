@@ -12,8 +12,11 @@
 #         is left, and a part with under 30 s left is skipped and says so.
 #
 # Parts, most important first:
-#   exactness  tests/models/test_captured_step.py: CUDA graphs against the eager lean path in bf16
-#              (toy target and random 7B), printing near ties and the largest logit difference;
+#   exactness  tests/models/test_prefix_attention.py (the Triton kernel in bf16 against float64
+#              attention) and tests/models/test_captured_step.py: CUDA graphs against the eager lean
+#              path in bf16 (toy target and random 7B), printing near ties and the largest logit difference;
+#   anatomy    bench.step_anatomy on the 7B shape at 8K and 32K: the step's parts (weight products,
+#              attention by path, norms) each captured alone, against the whole captured step and the floor;
 #   realsize   bench_realsize on the Qwen2.5-VL-7B shape at 8K and 32K video tokens: the step by
 #              path (eager lean, captured, captured inductor kernels) against its floor and
 #              transformers' static cache + torch.compile, verifications, Sparrow's round, and
@@ -24,14 +27,14 @@
 #   nvdec      decoding on the GPU (torchcodec's CUDA device) against QuickCodec on the CPU cores, on
 #              the 10-min benchmark video, and NVDEC's frames against PyAV's (PARTS=nvdec; it needs
 #              torchcodec's CUDA build and FFmpeg's libraries on the machine, and says so without them).
-# PARTS (environment): which parts run, always in the order above (default "exactness realsize toy").
-# Writes OUT/log.txt (everything printed), realsize.json / .md, profile.md, toy_report.md / .csv,
+# PARTS (environment): which parts run, always in the order above (default "exactness anatomy realsize toy").
+# Writes OUT/log.txt (everything printed), anatomy.md, realsize.json / .md, profile.md, toy_report.md / .csv,
 # figure5.md / .csv, nvdec.md; bench_realsize writes after each context, so a part cut short keeps what it measured.
 set -u
 WHEELS=${1:-.gpu/wheels}
 OUT=${2:-${OUT:-outputs/gpu/$(date +%F_%H-%M-%S)}}
 BUDGET=${3:-540}
-PARTS=${PARTS:-exactness realsize toy}
+PARTS=${PARTS:-exactness anatomy realsize toy}
 wanted() { [[ " $PARTS " == *" $1 "* ]]; }
 start=$(date +%s)
 mkdir -p "$OUT"
@@ -62,7 +65,9 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$log" 2>&1
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >> "$log" 2>&1
 
-part exactness 150 python3 -m pytest -q -s -p no:cacheprovider tests/models/test_captured_step.py
+part exactness 190 python3 -m pytest -q -s -p no:cacheprovider tests/models/test_prefix_attention.py \
+    tests/models/test_captured_step.py
+part anatomy 100 python3 -m bench.step_anatomy random:qwen2.5-vl-7b --contexts 8192 32768 --out "$OUT"
 
 tmp=$(mktemp -d)
 part realsize 330 python3 -m bench.bench_realsize --models random:qwen2.5-vl-7b --contexts 8192 32768 \

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from models.compiled_step import split_attention
 from models.compiling import private_copy, record_compile
 from models.lean import LayerWeights, rms_norm
+from models.prefix_attention import held_attention
 
 MODES = ("cudagraph", "reduce-overhead")
 BUCKETS = (1, 2, 4, 8, 16, 32)   # token counts a graph is captured for (the lean path takes ≤ 32); more run uncaptured
@@ -66,8 +66,7 @@ def buffered_layer(lean, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     def attend(q, k, v):
         new["k"], new["v"] = k, v
         # index_select, not lengths[index]: a tensor used as a Python index is read on the host
-        held = torch.arange(keys.shape[1], device=q.device) < lengths.index_select(0, index)  # [capacity]
-        return split_attention(q, k, v, keys, values, mask, lean.scaling, held)
+        return held_attention(q, k, v, keys, values, lengths.index_select(0, index), mask, lean.scaling)
 
     x = lean.layer(x, LayerWeights(*weights), cos, sin, attend)
     return x, new["k"], new["v"]
@@ -153,6 +152,11 @@ class CapturedStep:
         for layer in layers:
             layer.advance(n)
         return hidden[:n].clone()          # the output is the graph's: the next replay overwrites it
+
+    def latest_graph(self, size: int) -> torch.cuda.CUDAGraph:
+        """The graph the latest call of `size` new tokens replayed (bench.step_anatomy times it alone)."""
+        graphs = self._buckets[bucket_of(size)].graphs
+        return next(reversed(graphs.values()))[0]
 
     def _bucket(self, size: int, like: torch.Tensor) -> _Bucket:
         if size not in self._buckets:

@@ -1,0 +1,210 @@
+"""Where a decode step's device time goes: the step's parts, each run as many times as the step
+runs it (once per layer), against the whole captured step and the step's memory floor.
+
+    python -m bench.step_anatomy random:qwen2.5-vl-7b --contexts 8192 32768
+
+For each context (random embeddings prefilled to that many cached entries):
+- the layers' weight products alone (q, k, v, o, gate, up, down) for 1, 4 and 16 rows, and the LM head;
+- attention over the cache per layer: the prefix-attention kernel's path (models.prefix_attention,
+  what captured steps run) and split attention (two matrix products, what compiled CPU steps run)
+  for 1, 16 and 32 new tokens, beside SDPA over the held keys (a fused kernel, but one that returns
+  no log-sum-exp and reads no buffer with spare room: a reference, not a drop-in);
+- RMSNorm, eager, as many times as the step applies it;
+- the captured step in each mode (models.captured_step): its graph's replay alone, and with the LM
+  head, argmax and the host's work around it on the host clock (what a generated token costs).
+
+On CUDA each part is captured as one CUDA graph and timed by replays with device events (launch
+gaps left out: what remains is the kernels); on the CPU parts are timed by plain calls. The floor
+is the step's bytes (its weights and the cache) over the copy bandwidth, measured after the card's
+clocks have risen (a copy timed first thing after loading reads idle clocks, a third lower).
+
+Writes a markdown table per context to stdout and, with --out, anatomy.md there. Timings only;
+nothing here is a unit test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from models.compiled_step import split_attention
+from models.lean import rms_norm
+from models.load import load_model
+from models.prefix_attention import KERNEL, held_attention
+from models.steps import build_step
+
+
+def device_ms(fn, repeats: int = 50) -> float:
+    """Median ms of fn's work: on CUDA, fn captured as a CUDA graph and timed by replays with
+    device events; on the CPU, plain calls on the host clock."""
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(max(3, repeats // 10)):
+            start = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - start))
+        return statistics.median(times)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):                 # warm-up off the capture: cuBLAS handles, Triton compiles
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: str, size: int = 2**30, warm_s: float = 0.5) -> float:
+    """Bytes a second a device-to-device copy moves (read plus written), after `warm_s` seconds of
+    copies so that the clocks are up."""
+    size = size if device == "cuda" else size // 16
+    source = torch.ones(size // 2, dtype=torch.bfloat16, device=device)
+    target = torch.empty_like(source)
+    until = time.perf_counter() + warm_s
+    while time.perf_counter() < until:
+        target.copy_(source)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return 2 * size / (device_ms(lambda: target.copy_(source), 20) / 1000)
+
+
+def products(lean, x: torch.Tensor):
+    """The weight products of every layer over x [n, hidden], chained so none is left out."""
+    h = x
+    for w in lean.layers:
+        q = F.linear(h, w.q, w.q_bias)
+        k = F.linear(h, w.k, w.k_bias)
+        v = F.linear(h, w.v, w.v_bias)
+        o = F.linear(q, w.o, w.o_bias)
+        h = F.linear(F.silu(F.linear(o, w.gate)) * F.linear(o, w.up), w.down) + (k.sum() + v.sum()) * 0
+    return h
+
+
+def attention_parts(lm, cache, context: int, g: torch.Generator) -> list[tuple[str, float]]:
+    """Per-layer attention over the cache's buffers, every layer, for 1, 16 and 32 new tokens."""
+    lean, device, rows = lm.lean, lm.device, []
+    buffers = [(keys[0], values[0]) for keys, values in (layer.buffers() for layer in cache.layers)]
+    capacity = buffers[0][0].shape[1]
+    held = torch.arange(capacity, device=device) < context
+    length = torch.tensor([context], device=device)
+    layers = len(lean.layers)
+    for n in (1, 16, 32):
+        q = torch.randn(lean.n_heads, n, lean.head_dim, generator=g).to(device, lm.dtype)
+        new = torch.randn(lean.n_kv_heads, n, lean.head_dim, generator=g).to(device, lm.dtype)
+        mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        rows.append((f"prefix-attention path ×{layers}, {n} new tokens",
+                     device_ms(lambda: [held_attention(q, new, new, k, v, length, mask, lean.scaling)
+                                        for k, v in buffers])))
+        rows.append((f"split attention ×{layers}, {n} new tokens",
+                     device_ms(lambda: [split_attention(q, new, new, k, v, mask, lean.scaling, held)
+                                        for k, v in buffers])))
+        if torch.device(device).type == "cuda":
+            rows.append((f"SDPA over the held keys ×{layers}, {n} new tokens (reference)",
+                         device_ms(lambda: [F.scaled_dot_product_attention(q[None], k[None, :, :context],
+                                                                           v[None, :, :context], enable_gqa=True)
+                                            for k, v in buffers])))
+    return rows
+
+
+def step_parts(lm, cache, context: int, steps: dict, modes) -> list[tuple[str, float]]:
+    """The captured step in each mode: its graph's replay, and a whole token on the host clock."""
+    lean, rows = lm.lean, []
+    embeds, position = lm.embed(torch.tensor([5])), torch.tensor([context + 10])
+    for mode in modes:
+        if mode not in steps:
+            steps[mode] = build_step(lean, mode)
+            steps[mode].warm(lm.device, lm.dtype, name="anatomy")
+        lean.step = steps[mode]
+        try:
+            lean.forward(cache, embeds, position)              # captures over this cache's buffers
+            cache.crop(-1)
+            graph = lean.step.latest_graph(1)
+            rows.append((f"captured step ({mode}): the graph's replay", device_ms(graph.replay)))
+            times = []
+            for i in range(40):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                int(lm.lm_head(lean.forward(cache, embeds, position)).float()[-1].argmax())
+                if i >= 5:
+                    times.append(1000 * (time.perf_counter() - start))
+                cache.crop(-1)
+            rows.append((f"captured step ({mode}) + LM head + argmax, host clock", statistics.median(times)))
+        finally:
+            lean.step = None
+    return rows
+
+
+@torch.inference_mode()
+def anatomy(lm, context: int, bandwidth: float, steps: dict, modes) -> tuple[str, list[tuple[str, float]]]:
+    """(title, [(part, ms)]) for one context; the first row is the floor."""
+    g = torch.Generator().manual_seed(context)
+    cache = lm.new_cache()
+    embeds = (torch.randn(context, lm.hidden_size, generator=g) * 0.02).to(lm.device, lm.dtype)
+    lm.prefill(cache, embeds, torch.arange(context)[None].expand(3, context), logits="none")
+    weights, cached = lm.step_weight_bytes(), int(lm.cache_bytes(cache))
+    rows = [("floor: the step's bytes over the copy bandwidth", 1000 * (weights + cached) / bandwidth)]
+    layers = len(lm.lean.layers)
+    for n in (1, 4, 16):
+        x = (torch.randn(n, lm.hidden_size, generator=g) * 0.02).to(lm.device, lm.dtype)
+        rows.append((f"the {layers} layers' weight products, {n} rows", device_ms(lambda: products(lm.lean, x))))
+        rows.append((f"LM head, {n} rows", device_ms(lambda: lm.lm_head(x).float())))
+    rows += attention_parts(lm, cache, context, g)
+    x = torch.randn(1, lm.hidden_size, generator=g).to(lm.device, lm.dtype)
+    norm = lm.lean.layers[0].input_norm
+    rows.append((f"RMSNorm ×{2 * layers + 1}, eager",
+                 device_ms(lambda: [rms_norm(x, norm, lm.lean.eps) for _ in range(2 * layers + 1)])))
+    if torch.device(lm.device).type == "cuda":
+        rows += step_parts(lm, cache, context, steps, modes)
+    title = (f"{lm.name}, {context} cached entries: weights {weights / 1e9:.2f} GB, cache {cached / 1e9:.3f} GB, "
+             f"copy {bandwidth / 1e12:.2f} TB/s, attention backend {KERNEL['last'] or 'torch'}")
+    return title, rows
+
+
+def markdown(title: str, rows: list[tuple[str, float]]) -> str:
+    floor = rows[0][1]
+    lines = [f"### {title}", "", "| part | ms | × floor |", "|---|---|---|"]
+    lines += [f"| {name} | {ms:.3f} | {ms / floor:.2f} |" for name, ms in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="a model path or a random: shape (models.shapes)")
+    parser.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--modes", nargs="*", default=["cudagraph", "reduce-overhead"],
+                        help="captured-step modes to time whole (CUDA only)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    lm = load_model(args.model, dtype=args.dtype, device=args.device)
+    if lm.lean is None:
+        parser.error(f"{args.model}: no lean path for this model (its layers are not the Qwen2 kind)")
+    bandwidth = copy_bandwidth(args.device)
+    steps: dict = {}
+    tables = []
+    for context in args.contexts:
+        tables.append(markdown(*anatomy(lm, context, bandwidth, steps, args.modes)))
+        print(tables[-1], flush=True)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "anatomy.md").write_text("\n".join(tables))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Attention of a few query rows over a cached prefix held in a fixed buffer, returning the
+softmax's log-sum-exp beside the output, so the caller can merge it with the new tokens' part.
+
+    out, lse = prefix_attention(q, keys, values, length, scaling)
+        q [KV, R, hd]: the query rows grouped by the KV head they read (R = group size × tokens);
+        keys, values [KV, capacity, hd]: a layer's whole cache buffers, of which the first `length`
+        entries (int64 [1] tensor, read on the device) are held and the rest is spare room;
+        -> out float32 [KV, R, hd] (softmax-weighted values), lse float32 [KV, R]
+
+Why a kernel: a decode step has one to a few dozen query rows per KV head and thousands of keys.
+As two matrix products (scores, then probabilities × values) the second one reduces over the
+whole prefix with a [rows × hd] output, which cuBLAS runs on a handful of thread blocks; on an H200
+it took 150 µs a layer at 32K cached entries, six times the time to read the layer's keys and
+values. Here the prefix is cut into splits that run side by side (flash-decoding): each split keeps
+a running maximum and sum over its keys and writes its partial output and log-sum-exp, and the
+splits are merged by their log-sum-exps. The held length is read by the kernel, so one CUDA graph
+serves every length up to the buffer's capacity; nothing of size rows × prefix is ever stored.
+
+Backends: the Triton kernel on CUDA when Triton is installed and the head size is a power of two
+(`KERNEL` says which ran); otherwise `prefix_attention_reference`, the same function in plain torch
+(scores materialised), which is also what the kernel is tested against. Both are behind one
+custom operator, `reelflow::prefix_attention`, so torch.compile treats the call as opaque.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:                                   # Triton ships with CUDA builds of torch, not with CPU ones
+    import triton
+    import triton.language as tl
+except ImportError:                    # pragma: no cover - depends on the install
+    triton = None
+
+BLOCK_N = 64            # keys a program takes per iteration
+SPLITS_PER_SM = 2       # aim for this many programs per multiprocessor
+
+
+def prefix_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
+                               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """prefix_attention in plain torch (see the module doc): q [KV, R, hd]; keys, values
+    [KV, capacity, hd]; length int64 [1]. -> out float32 [KV, R, hd], lse float32 [KV, R]."""
+    held = torch.arange(keys.shape[1], device=q.device) < length                           # [capacity]
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scaling                      # [KV, R, capacity]
+    scores = scores.masked_fill(~held, float("-inf"))
+    top = scores.amax(-1, keepdim=True)                                                     # [KV, R, 1]
+    p = (scores - top).exp()
+    total = p.sum(-1, keepdim=True)
+    out = torch.matmul(p.to(values.dtype), values).float() / total                          # [KV, R, hd]
+    return out, (top + total.log()).squeeze(-1)
+
+
+def merge_with_new(out: torch.Tensor, lse: torch.Tensor, scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Softmax over the prefix and the new tokens together, from the prefix's (out [KV, R, hd],
+    lse [KV, R], float32) and the new tokens' masked scores [KV, R, m] (float32, -inf where
+    unseen) with their values v [KV, m, hd]. -> float32 [KV, R, hd]."""
+    top = torch.maximum(lse, scores.amax(-1))[..., None]                                   # [KV, R, 1]
+    w_prefix = (lse[..., None] - top).exp()                                                 # [KV, R, 1]
+    p_new = (scores - top).exp()
+    total = w_prefix + p_new.sum(-1, keepdim=True)
+    return (out * w_prefix + torch.matmul(p_new.to(v.dtype), v).float()) / total
+
+
+def held_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   length: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention of n new tokens over a buffer's held prefix and among themselves: q [H, n, hd];
+    k, v [KV, n, hd] (the new tokens'); keys, values [KV, capacity, hd] with `length` (int64 [1])
+    entries held; mask bool [n, n] (which new tokens each one sees, itself included). Heads grouped
+    as transformers' repeat_kv lays them out. -> [n, H * hd] in q's dtype."""
+    heads, n, hd = q.shape
+    kv, m = k.shape[0], k.shape[1]
+    group = heads // kv
+    qg = q.reshape(kv, group * n, hd)                                                       # [KV, G*n, hd]
+    out, lse = prefix_attention(qg, keys, values, length, scaling)
+    new = (torch.matmul(qg, k.transpose(-1, -2)).float() * scaling).view(kv, group, n, m)
+    new = new.masked_fill(~mask, float("-inf")).view(kv, group * n, m)                     # [KV, G*n, m]
+    merged = merge_with_new(out, lse, new, v)                                               # [KV, G*n, hd]
+    return merged.to(q.dtype).view(kv, group, n, hd).reshape(heads, n, hd).transpose(0, 1).reshape(n, heads * hd)
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+if triton is not None:
+    @triton.jit
+    def _split_kernel(q, keys, values, length, out, lse, rows, scaling,
+                      sq_h, sq_r, sk_h, sk_n, sv_h, sv_n, so_h, so_s, so_r, sl_h, sl_s,
+                      HD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                      SPLIT: tl.constexpr):
+        """One (KV head, block of query rows, split of the prefix): online softmax over the split's
+        held keys; writes the split's normalised output and log-sum-exp (-inf when it holds none)."""
+        head = tl.program_id(0) // ROW_BLOCKS
+        block = tl.program_id(0) % ROW_BLOCKS
+        split = tl.program_id(1)
+        r = block * BLOCK_R + tl.arange(0, BLOCK_R)
+        d = tl.arange(0, HD)
+        query = tl.load(q + head * sq_h + r[:, None] * sq_r + d[None, :], mask=r[:, None] < rows, other=0.0)
+        held = tl.load(length)
+        start = split * SPLIT
+        end = tl.minimum(start + SPLIT, held)
+        top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        total = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, HD], tl.float32)
+        # a loop of fixed trip count (a split's size, a power of two: few compiled variants) with
+        # the held length as a mask: the same code for every length; keys past it are never loaded
+        for i in range(0, SPLIT, BLOCK_N):
+            n = start + i + tl.arange(0, BLOCK_N)
+            seen = n < end
+            k = tl.load(keys + head * sk_h + n[:, None] * sk_n + d[None, :], mask=seen[:, None], other=0.0)
+            score = tl.dot(query, tl.trans(k)) * scaling                                # [BLOCK_R, BLOCK_N]
+            score = tl.where(seen[None, :], score, float("-inf"))
+            new_top = tl.maximum(top, tl.max(score, 1))
+            # rows that have seen no key yet keep top -inf: exp(-inf - -inf) must read as 1, not NaN
+            keep = tl.where(new_top == float("-inf"), 1.0, tl.exp(top - new_top))
+            p = tl.where(seen[None, :], tl.exp(score - new_top[:, None]), 0.0)
+            total = total * keep + tl.sum(p, 1)
+            v = tl.load(values + head * sv_h + n[:, None] * sv_n + d[None, :], mask=seen[:, None], other=0.0)
+            acc = acc * keep[:, None] + tl.dot(p.to(v.dtype), v)
+            top = new_top
+        some = total > 0
+        result = tl.where(some[:, None], acc / tl.where(some, total, 1.0)[:, None], 0.0)
+        tl.store(out + head * so_h + split * so_s + r[:, None] * so_r + d[None, :], result, mask=r[:, None] < rows)
+        tl.store(lse + head * sl_h + split * sl_s + r, tl.where(some, top + tl.log(total), float("-inf")),
+                 mask=r < rows)
+
+
+def kernel_available(q: torch.Tensor) -> bool:
+    """Whether the Triton kernel serves these queries: Triton present, a CUDA tensor (or Triton's
+    interpreter, TRITON_INTERPRET=1, which runs it on the CPU) and a power-of-two head size ≥ 16."""
+    hd = q.shape[-1]
+    on_device = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton is not None and on_device and hd >= 16 and hd & (hd - 1) == 0
+
+
+def split_size(capacity: int, programs_per_split: int, device: torch.device) -> int:
+    """Keys per split, a power of two ≥ BLOCK_N: about enough splits that the grid covers the
+    multiprocessors SPLITS_PER_SM times."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = max(1, SPLITS_PER_SM * sms // programs_per_split)
+    return max(BLOCK_N, 1 << max(0, math.ceil(capacity / want) - 1).bit_length())
+
+
+def prefix_attention_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
+                            scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """prefix_attention through the Triton kernel (kernel_available(q) must hold)."""
+    kv, rows, hd = q.shape
+    capacity = keys.shape[1]
+    block_r = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    row_blocks = math.ceil(rows / block_r)
+    split = split_size(capacity, kv * row_blocks, q.device)
+    splits = math.ceil(capacity / split)
+    q, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, values))
+    parts = torch.empty(kv, splits, rows, hd, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(kv, splits, rows, dtype=torch.float32, device=q.device)
+    _split_kernel[(kv * row_blocks, splits)](
+        q, keys, values, length, parts, part_lse, rows, scaling,
+        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+        parts.stride(0), parts.stride(1), parts.stride(2), part_lse.stride(0), part_lse.stride(1),
+        HD=hd, BLOCK_R=block_r, BLOCK_N=BLOCK_N, ROW_BLOCKS=row_blocks, SPLIT=split)
+    top = part_lse.amax(1, keepdim=True)                                 # [KV, 1, R]: finite, split 0 holds keys
+    weight = (part_lse - top).exp()                                                       # [KV, S, R]
+    total = weight.sum(1)                                                                 # [KV, R]
+    out = (parts * weight[..., None]).sum(1) / total[..., None]
+    return out, top.squeeze(1) + total.log()
+
+
+# ----------------------------------------------------------------------------- the operator
+
+KERNEL = {"last": None}       # which backend the latest call on a CUDA tensor took: "triton" or "torch"
+
+
+@torch.library.custom_op("reelflow::prefix_attention", mutates_args=())
+def prefix_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
+                     scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """See the module doc."""
+    if kernel_available(q):
+        KERNEL["last"] = "triton"
+        return prefix_attention_kernel(q, keys, values, length, scaling)
+    if q.is_cuda:
+        KERNEL["last"] = "torch"
+    return prefix_attention_reference(q, keys, values, length, scaling)
+
+
+@prefix_attention.register_fake
+def _(q, keys, values, length, scaling):
+    return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:2], dtype=torch.float32)

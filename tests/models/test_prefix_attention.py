@@ -1,0 +1,123 @@
+"""models.prefix_attention: the prefix's attention with its log-sum-exp, in plain torch, through the
+Triton kernel (on CUDA, and on the CPU through Triton's interpreter), and merged with new tokens."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.prefix_attention import held_attention, merge_with_new, prefix_attention, prefix_attention_reference
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def exact_attention(q, keys, values, held, scaling):
+    """Softmax attention in float64 over the first `held` keys: out [KV, R, hd], lse [KV, R]."""
+    q, keys, values = q.double(), keys[:, :held].double(), values[:, :held].double()
+    scores = q @ keys.transpose(-1, -2) * scaling
+    return torch.softmax(scores, -1) @ values, torch.logsumexp(scores, -1)
+
+
+def inputs(kv, rows, hd, capacity, seed=0, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=g).to(device, dtype)      # noqa: E731
+    return make(kv, rows, hd), make(kv, capacity, hd), make(kv, capacity, hd)
+
+
+@pytest.mark.parametrize("kv,rows,hd,capacity,held", [(2, 7, 64, 300, 257), (4, 7, 128, 1000, 1),
+                                                      (2, 40, 64, 700, 650), (1, 3, 32, 64, 64)])
+def test_the_reference_is_softmax_attention_over_the_held_keys(kv, rows, hd, capacity, held):
+    q, keys, values = inputs(kv, rows, hd, capacity)
+    keys[:, held:] = 1e4              # spare room holding anything must not count
+    out, lse = prefix_attention_reference(q, keys, values, torch.tensor([held]), hd ** -0.5)
+    want_out, want_lse = exact_attention(q, keys, values, held, hd ** -0.5)
+    # float32 sums of a few hundred terms: relative error well under 1e-5
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_merging_prefix_and_new_tokens_is_attention_over_both():
+    kv, group, n, hd, capacity, held = 2, 3, 4, 32, 90, 70
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(kv * group, n, hd, generator=g)
+    k, v = torch.randn(kv, n, hd, generator=g), torch.randn(kv, n, hd, generator=g)
+    keys, values = torch.randn(kv, capacity, hd, generator=g), torch.randn(kv, capacity, hd, generator=g)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    got = held_attention(q, k, v, keys, values, torch.tensor([held]), mask, hd ** -0.5)     # [n, H*hd]
+    # reference: every head over its KV head's held keys, then the new tokens it sees
+    want = torch.empty(n, kv * group, hd, dtype=torch.float64)
+    for h in range(kv * group):
+        j = h // group
+        allk = torch.cat([keys[j, :held], k[j]]).double()
+        allv = torch.cat([values[j, :held], v[j]]).double()
+        seen = torch.cat([torch.ones(n, held, dtype=torch.bool), mask], 1)
+        scores = (q[h].double() @ allk.T * hd ** -0.5).masked_fill(~seen, float("-inf"))
+        want[:, h] = torch.softmax(scores, -1) @ allv
+    torch.testing.assert_close(got.double(), want.reshape(n, -1), rtol=1e-5, atol=1e-5)
+
+
+def test_merge_of_a_prefix_with_no_weight_left_is_the_new_part_alone():
+    out, lse = torch.zeros(1, 2, 4), torch.full((1, 2), -1e4)
+    scores, v = torch.zeros(1, 2, 3), torch.arange(12.).view(1, 3, 4)
+    torch.testing.assert_close(merge_with_new(out, lse, scores, v), v.mean(1, keepdim=True).expand(1, 2, 4))
+
+
+INTERPRETED = textwrap.dedent("""
+    import os, sys, torch
+    os.environ["TRITON_INTERPRET"] = "1"          # before the kernel is defined: Triton runs it on the CPU
+    sys.path.insert(0, {root!r})
+    import models.prefix_attention as pa
+    assert pa.kernel_available(torch.zeros(1, 1, 64))
+    g = torch.Generator().manual_seed(0)
+    # several splits (a split holds 64+ keys, four programs per split on the interpreter's 4 "SMs"),
+    # a held length mid-split, a single held key, more rows than one block, a length at capacity
+    for kv, rows, hd, capacity, held in [(2, 7, 64, 300, 257), (4, 7, 128, 1000, 1), (2, 40, 64, 700, 650),
+                                         (1, 3, 32, 64, 64), (1, 70, 16, 200, 130)]:
+        q = torch.randn(kv, rows, hd, generator=g)
+        keys, values = torch.randn(kv, capacity, hd, generator=g), torch.randn(kv, capacity, hd, generator=g)
+        keys[:, held:] = float("nan")             # spare room is never read
+        length = torch.tensor([held])
+        out, lse = pa.prefix_attention_kernel(q, keys, values, length, hd ** -0.5)
+        ref_out, ref_lse = pa.prefix_attention_reference(q, keys[:, :held], values[:, :held], length, hd ** -0.5)
+        # float32 throughout (the interpreter's bfloat16 products are not exact): summation order only
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    print("kernel matches")
+""")
+
+
+def test_the_triton_kernel_matches_the_reference_in_the_interpreter():
+    """The kernel's own code, run by Triton's interpreter on the CPU (a fresh process: the
+    interpreter is chosen when the kernel is defined)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.fail("Triton is a test dependency (pip install -e '.[test]'): the kernel is tested through "
+                    "its interpreter")
+    done = subprocess.run([sys.executable, "-c", INTERPRETED.format(root=str(ROOT))], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "kernel matches" in done.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel runs on a CUDA device")
+@pytest.mark.parametrize("rows", [7, 28, 112, 224])
+@pytest.mark.parametrize("capacity,held", [(10240, 8203), (40960, 32779), (640, 1)])
+def test_the_kernel_on_cuda_in_bfloat16(rows, capacity, held):
+    q, keys, values = inputs(4, rows, 128, capacity, seed=rows, dtype=torch.bfloat16, device="cuda")
+    length = torch.tensor([held], device="cuda")
+    out, lse = prefix_attention(q, keys, values, length, 128 ** -0.5)
+    from models.prefix_attention import KERNEL
+
+    assert KERNEL["last"] == "triton"
+    want_out, want_lse = exact_attention(q.float(), keys.float(), values.float(), held, 128 ** -0.5)
+    # bfloat16 inputs, float32 accumulation, probabilities rounded to bfloat16 before × values (as
+    # flash attention does): a relative error of a few 1e-3, far under a logit's rounding at 7B
+    err = (out.double() - want_out).norm() / want_out.norm()
+    assert err < 1e-2, err
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-3, atol=1e-3)
