@@ -93,6 +93,25 @@ class GrowingLayer(DynamicLayer):
                 raise ValueError(f"advance by {n}: only {self._buffers[name].shape[-2] - self._length[name]} slots left")
             self._length[name] += n
 
+    def held(self) -> int:
+        """Entries held (get_seq_length without building a view: a captured step asks every layer
+        before each replay)."""
+        return self._length["keys"]
+
+    def get_seq_length(self) -> int:
+        buf = self._buffers["keys"]
+        return self._length["keys"] if buf is not None and buf.dim() == 4 else super().get_seq_length()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last -tokens_to_remove entries (transformers 5's convention): only the length
+        moves, as the base class's slicing would end in, without building a view per layer (a
+        speculative round rolls back every layer once a round)."""
+        buf = self._buffers["keys"]
+        if tokens_to_remove > 0 or buf is None or buf.dim() != 4:
+            return super().crop(tokens_to_remove)       # its error for a positive count; its path otherwise
+        for name in ("keys", "values"):
+            self._length[name] = max(0, self._length[name] + tokens_to_remove)
+
     def capacity(self) -> int:
         """Entries the layer's buffers can hold before the next reallocation."""
         buf = self._buffers["keys"]

@@ -16,7 +16,7 @@ time: buffered_layer):
   values are written at the held length inside the graph, and the cache then counts the real n
   (GrowingLayer.advance), so the padding lands in spare room and is overwritten later.
 
-A graph is keyed by its bucket and the buffers' addresses and shapes: a rollback (crop) only moves
+A graph is keyed by its bucket and the buffers' addresses and layouts: a rollback (crop) only moves
 the length and replays the same graph; a cache that grows past its room or is pruned gets new
 buffers and is captured again (once, tens of milliseconds). Graphs hold no reference to the
 buffers they were captured over: one is replayed only while the cache in hand has buffers at
@@ -134,16 +134,19 @@ class CapturedStep:
         layers = cache.layers
         if not all(hasattr(layer, "buffers") for layer in layers):
             raise TypeError("captured steps need models.cache's growing cache (GrowingLayer layers)")
-        for layer in layers:
-            if layer.capacity() - layer.get_seq_length() < size:
+        # plain ints and tuples here: this runs before every replay, on the host, while the device
+        # waits (a view per layer to read its length cost more than the graph's launch)
+        lengths = [layer.held() for layer in layers]
+        for layer, length in zip(layers, lengths):
+            if layer.capacity() - length < size:
                 layer.reserve(size)
         bucket = self._bucket(size, embeds)
-        self._fill(bucket, embeds, cos, sin, among, [layer.get_seq_length() for layer in layers])
+        self._fill(bucket, embeds, cos, sin, among, lengths)
         buffers = [layer.buffers() for layer in layers]
         if not self.capture or bucket_of(n) is None:
             hidden = self._body(bucket, buffers)
         else:
-            key = tuple((k.data_ptr(), v.data_ptr(), tuple(k.shape), k.stride()) for k, v in buffers)
+            key = tuple((k.data_ptr(), v.data_ptr(), k.shape[-2], k.stride(), v.stride()) for k, v in buffers)
             if key not in bucket.graphs:
                 self._capture(bucket, key, buffers)
             bucket.graphs.move_to_end(key)

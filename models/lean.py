@@ -81,6 +81,7 @@ class LeanDecoder:
         self.layers = [self._weights(layer) for layer in text_model.layers]
         self.final_norm = text_model.norm.weight
         self._cos = self._sin = None
+        self._masks: dict = {}        # (n, device) -> causal bool [n, n] (_causal)
         self.step = None          # models.compiled_step.CompiledStep or models.captured_step.CapturedStep (load_model)
 
     @classmethod
@@ -142,8 +143,18 @@ class LeanDecoder:
         if not embeds.is_inference():
             embeds = embeds.clone()
         cos, sin = self._rotary(positions, embeds)
-        among = mask.clone() if mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
-        return self.step.run(cache, embeds, cos, sin, among.to(embeds.device))
+        if mask is not None and not mask.is_inference():
+            mask = mask.clone()
+        among = mask.to(embeds.device) if mask is not None else self._causal(n, embeds.device)
+        return self.step.run(cache, embeds, cos, sin, among)
+
+    def _causal(self, n: int, device) -> torch.Tensor:
+        """The causal mask among n new tokens on `device`, made once (a host-to-device copy per step
+        would stall a GPU's step behind the host)."""
+        key = (n, str(device))
+        if key not in self._masks:
+            self._masks[key] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        return self._masks[key]
 
     @torch.inference_mode()
     def forward_eager(self, cache, embeds: torch.Tensor, positions: torch.Tensor,

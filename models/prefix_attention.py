@@ -6,6 +6,9 @@ softmax's log-sum-exp beside the output, so the caller can merge it with the new
         keys, values [KV, capacity, hd]: a layer's whole cache buffers, of which the first `length`
         entries (int64 [1] tensor, read on the device) are held and the rest is spare room;
         -> out float32 [KV, R, hd] (softmax-weighted values), lse float32 [KV, R]
+    attn = held_attention(q, k, v, keys, values, length, mask, scaling)
+        the n new tokens (q [H, n, hd], k, v [KV, n, hd], mask bool [n, n]) over the held prefix
+        and among themselves -> [n, H * hd]: what a captured step's layer calls
 
 Why a kernel: a decode step has one to a few dozen query rows per KV head and thousands of keys.
 As two matrix products (scores, then probabilities × values) the second one reduces over the
@@ -16,10 +19,13 @@ a running maximum and sum over its keys and writes its partial output and log-su
 splits are merged by their log-sum-exps. The held length is read by the kernel, so one CUDA graph
 serves every length up to the buffer's capacity; nothing of size rows × prefix is ever stored.
 
-Backends: the Triton kernel on CUDA when Triton is installed and the head size is a power of two
-(`KERNEL` says which ran); otherwise `prefix_attention_reference`, the same function in plain torch
-(scores materialised), which is also what the kernel is tested against. Both are behind one
-custom operator, `reelflow::prefix_attention`, so torch.compile treats the call as opaque.
+Backends: on CUDA with Triton installed and a power-of-two head size (`KERNEL` says which ran),
+`held_attention` runs two Triton kernels, the splits and then one that merges them and the new
+tokens' part (dozens of small operations otherwise, a few microseconds each even inside a CUDA
+graph); otherwise `prefix_attention_reference`, the same function in plain torch (scores
+materialised), which is also what the kernels are tested against, on the CPU through Triton's
+interpreter. The kernels sit behind custom operators (`reelflow::prefix_attention`,
+`reelflow::grouped_held_attention`), so torch.compile treats each call as opaque.
 """
 
 from __future__ import annotations
@@ -74,11 +80,14 @@ def held_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torc
     kv, m = k.shape[0], k.shape[1]
     group = heads // kv
     qg = q.reshape(kv, group * n, hd)                                                       # [KV, G*n, hd]
-    out, lse = prefix_attention(qg, keys, values, length, scaling)
-    new = (torch.matmul(qg, k.transpose(-1, -2)).float() * scaling).view(kv, group, n, m)
-    new = new.masked_fill(~mask, float("-inf")).view(kv, group * n, m)                     # [KV, G*n, m]
-    merged = merge_with_new(out, lse, new, v)                                               # [KV, G*n, hd]
-    return merged.to(q.dtype).view(kv, group, n, hd).reshape(heads, n, hd).transpose(0, 1).reshape(n, heads * hd)
+    if kernel_available(q):
+        merged = grouped_held_attention(qg, k, v, keys, values, length, mask, scaling)      # [KV, G*n, hd]
+    else:
+        out, lse = prefix_attention_reference(qg, keys, values, length, scaling)
+        new = (torch.matmul(qg, k.transpose(-1, -2)).float() * scaling).view(kv, group, n, m)
+        new = new.masked_fill(~mask, float("-inf")).view(kv, group * n, m)                 # [KV, G*n, m]
+        merged = merge_with_new(out, lse, new, v).to(q.dtype)                               # [KV, G*n, hd]
+    return merged.view(kv, group, n, hd).reshape(heads, n, hd).transpose(0, 1).reshape(n, heads * hd)
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -142,16 +151,16 @@ def split_size(capacity: int, programs_per_split: int, device: torch.device) -> 
     return max(BLOCK_N, 1 << max(0, math.ceil(capacity / want) - 1).bit_length())
 
 
-def prefix_attention_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
-                            scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """prefix_attention through the Triton kernel (kernel_available(q) must hold)."""
+def _split_parts(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
+                 scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernel's launch: q [KV, R, hd] -> each split's output float32 [KV, S, R, hd] and
+    log-sum-exp float32 [KV, S, R] (-inf for a split past the held length)."""
     kv, rows, hd = q.shape
     capacity = keys.shape[1]
     block_r = 16 if rows <= 16 else 32 if rows <= 32 else 64
     row_blocks = math.ceil(rows / block_r)
     split = split_size(capacity, kv * row_blocks, q.device)
     splits = math.ceil(capacity / split)
-    q, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, values))
     parts = torch.empty(kv, splits, rows, hd, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(kv, splits, rows, dtype=torch.float32, device=q.device)
     _split_kernel[(kv * row_blocks, splits)](
@@ -159,11 +168,90 @@ def prefix_attention_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         parts.stride(0), parts.stride(1), parts.stride(2), part_lse.stride(0), part_lse.stride(1),
         HD=hd, BLOCK_R=block_r, BLOCK_N=BLOCK_N, ROW_BLOCKS=row_blocks, SPLIT=split)
+    return parts, part_lse
+
+
+def prefix_attention_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
+                            scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """prefix_attention through the split kernel, the splits merged in torch (kernel_available(q)
+    must hold): what the tests compare with the reference, split by split."""
+    q, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, keys, values))
+    parts, part_lse = _split_parts(q, keys, values, length, scaling)
     top = part_lse.amax(1, keepdim=True)                                 # [KV, 1, R]: finite, split 0 holds keys
     weight = (part_lse - top).exp()                                                       # [KV, S, R]
     total = weight.sum(1)                                                                 # [KV, R]
     out = (parts * weight[..., None]).sum(1) / total[..., None]
     return out, top.squeeze(1) + total.log()
+
+
+if triton is not None:
+    @triton.jit
+    def _combine_kernel(parts, part_lse, q, k, v, mask, out, rows, splits, tokens, scaling,
+                        sp_h, sp_s, sp_r, sl_h, sl_s, sq_h, sq_r, sk_h, sk_n, sv_h, sv_n, sm_r, so_h, so_r,
+                        HD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                        MAX_SPLITS: tl.constexpr):
+        """One (KV head, block of query rows): the splits merged by their log-sum-exps, then the
+        softmax shared with the new tokens' part (their keys k, values v [KV, m, hd], `mask` bool
+        [n, m]: query row r is token r % n of its group), written in the output's dtype."""
+        head = tl.program_id(0) // ROW_BLOCKS
+        block = tl.program_id(0) % ROW_BLOCKS
+        r = block * BLOCK_R + tl.arange(0, BLOCK_R)
+        d = tl.arange(0, HD)
+        live = r < rows
+        # the splits' log-sum-exps as one tile [MAX_SPLITS, BLOCK_R] (a power of two ≥ the splits,
+        # the rest masked: few compiled variants); split 0 always holds keys, so `top` is finite
+        si = tl.arange(0, MAX_SPLITS)
+        lses = tl.load(part_lse + head * sl_h + si[:, None] * sl_s + r[None, :],
+                       mask=(si[:, None] < splits) & live[None, :], other=float("-inf"))
+        top = tl.max(lses, 0)
+        weights = tl.where(si[:, None] < splits, tl.exp(lses - top[None, :]), 0.0)           # [MAX_SPLITS, BLOCK_R]
+        total = tl.sum(weights, 0)
+        acc = tl.zeros([BLOCK_R, HD], tl.float32)
+        for i in range(0, MAX_SPLITS):
+            w = tl.exp(tl.load(part_lse + head * sl_h + i * sl_s + r, mask=live & (i < splits),
+                               other=float("-inf")) - top)
+            part = tl.load(parts + head * sp_h + i * sp_s + r[:, None] * sp_r + d[None, :],
+                           mask=live[:, None] & (i < splits), other=0.0)
+            acc += w[:, None] * part
+        lse = top + tl.log(total)                                                     # the prefix's [BLOCK_R]
+        prefix = acc / total[:, None]
+        query = tl.load(q + head * sq_h + r[:, None] * sq_r + d[None, :], mask=live[:, None], other=0.0)
+        j = tl.arange(0, BLOCK_M)
+        present = j < tokens
+        new_k = tl.load(k + head * sk_h + j[:, None] * sk_n + d[None, :], mask=present[:, None], other=0.0)
+        new_v = tl.load(v + head * sv_h + j[:, None] * sv_n + d[None, :], mask=present[:, None], other=0.0)
+        seen = tl.load(mask + (r % tokens)[:, None] * sm_r + j[None, :], mask=live[:, None] & present[None, :],
+                       other=0) != 0
+        score = tl.where(seen, tl.dot(query, tl.trans(new_k)) * scaling, float("-inf"))   # [BLOCK_R, BLOCK_M]
+        new_top = tl.maximum(lse, tl.max(score, 1))             # finite: every row sees itself
+        w_prefix = tl.exp(lse - new_top)
+        p = tl.where(seen, tl.exp(score - new_top[:, None]), 0.0)
+        merged = (prefix * w_prefix[:, None] + tl.dot(p.to(new_v.dtype), new_v)) / (w_prefix + tl.sum(p, 1))[:, None]
+        tl.store(out + head * so_h + r[:, None] * so_r + d[None, :], merged.to(out.dtype.element_ty),
+                 mask=live[:, None])
+
+
+def held_attention_kernel(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
+                          values: torch.Tensor, length: torch.Tensor, mask: torch.Tensor,
+                          scaling: float) -> torch.Tensor:
+    """The grouped queries qg [KV, G*n, hd] over the held prefix and the n new tokens (k, v
+    [KV, n, hd], mask bool [n, n]) in two launches: the split kernel, then one that merges the
+    splits and the new tokens. -> [KV, G*n, hd] in qg's dtype."""
+    qg, k, v, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (qg, k, v, keys, values))
+    mask = mask.contiguous()
+    parts, part_lse = _split_parts(qg, keys, values, length, scaling)
+    kv, rows, hd = qg.shape
+    block_r = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    row_blocks = math.ceil(rows / block_r)
+    out = torch.empty_like(qg)
+    _combine_kernel[(kv * row_blocks,)](
+        parts, part_lse, qg, k, v, mask, out, rows, parts.shape[1], k.shape[1], scaling,
+        parts.stride(0), parts.stride(1), parts.stride(2), part_lse.stride(0), part_lse.stride(1),
+        qg.stride(0), qg.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
+        out.stride(0), out.stride(1),
+        HD=hd, BLOCK_R=block_r, BLOCK_M=max(16, triton.next_power_of_2(k.shape[1])), ROW_BLOCKS=row_blocks,
+        MAX_SPLITS=triton.next_power_of_2(parts.shape[1]))
+    return out
 
 
 # ----------------------------------------------------------------------------- the operator
@@ -186,3 +274,18 @@ def prefix_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 @prefix_attention.register_fake
 def _(q, keys, values, length, scaling):
     return q.new_empty(q.shape, dtype=torch.float32), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("reelflow::grouped_held_attention", mutates_args=())
+def grouped_held_attention(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
+                           values: torch.Tensor, length: torch.Tensor, mask: torch.Tensor,
+                           scaling: float) -> torch.Tensor:
+    """held_attention_kernel as one operator (torch.compile leaves it whole): qg [KV, G*n, hd] ->
+    [KV, G*n, hd]. Only where kernel_available holds (held_attention checks)."""
+    KERNEL["last"] = "triton"
+    return held_attention_kernel(qg, k, v, keys, values, length, mask, scaling)
+
+
+@grouped_held_attention.register_fake
+def _(qg, k, v, keys, values, length, mask, scaling):
+    return torch.empty_like(qg)

@@ -17,7 +17,8 @@ def test_appends_rollbacks_and_pruning_match_a_dynamic_layer():
     from transformers.cache_utils import DynamicLayer
 
     ours, theirs = GrowingLayer(), DynamicLayer()
-    steps = [("add", 100), ("add", 1), ("crop", 3), ("add", 5), ("keep", None), ("add", 4), ("crop", 1), ("add", 200)]
+    steps = [("add", 100), ("add", 1), ("crop", 3), ("crop", 0), ("add", 5), ("keep", None), ("add", 4), ("crop", 1),
+             ("add", 200), ("crop", 10_000), ("add", 3)]
     for i, (op, n) in enumerate(steps):
         if op == "add":
             k, v = kv(n, i)
@@ -32,6 +33,14 @@ def test_appends_rollbacks_and_pruning_match_a_dynamic_layer():
                 layer.keys, layer.values = layer.keys.index_select(-2, idx), layer.values.index_select(-2, idx)
         assert ours.get_seq_length() == theirs.get_seq_length()
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def test_a_positive_crop_is_refused_as_transformers_refuses_it():
+    layer = GrowingLayer()
+    layer.update(*kv(4, 0))
+    with pytest.raises(ValueError, match="negative"):
+        layer.crop(2)
+    assert layer.held() == layer.get_seq_length() == 4
 
 
 def test_a_decode_step_writes_into_spare_room_instead_of_copying():

@@ -89,6 +89,19 @@ INTERPRETED = textwrap.dedent("""
         # float32 throughout (the interpreter's bfloat16 products are not exact): summation order only
         torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    # both kernels through held_attention (what captured steps call): prefix and new tokens merged,
+    # against split attention over the held part (models.compiled_step, two plain products)
+    from models.compiled_step import split_attention
+    for kv, group, n, hd, capacity, held in [(2, 2, 1, 64, 300, 257), (2, 3, 5, 32, 700, 650), (1, 7, 32, 16, 130, 64)]:
+        q = torch.randn(kv * group, n, hd, generator=g)
+        k, v = torch.randn(kv, n, hd, generator=g), torch.randn(kv, n, hd, generator=g)
+        keys, values = torch.randn(kv, capacity, hd, generator=g), torch.randn(kv, capacity, hd, generator=g)
+        mask = torch.rand(n, n, generator=g) < 0.5
+        mask |= torch.eye(n, dtype=torch.bool)                          # a tree's mask: each row sees itself
+        got = pa.held_attention(q, k, v, keys, values, torch.tensor([held]), mask, hd ** -0.5)
+        assert pa.KERNEL["last"] == "triton"
+        want = split_attention(q, k, v, keys, values, mask, hd ** -0.5, torch.arange(capacity) < held)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     print("kernel matches")
 """)
 
@@ -121,3 +134,23 @@ def test_the_kernel_on_cuda_in_bfloat16(rows, capacity, held):
     err = (out.double() - want_out).norm() / want_out.norm()
     assert err < 1e-2, err
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels run on a CUDA device")
+@pytest.mark.parametrize("n", [1, 5, 32])
+def test_both_kernels_through_held_attention_on_cuda_in_bfloat16(n):
+    from models.compiled_step import split_attention
+    from models.prefix_attention import KERNEL
+
+    kv, group, hd, capacity, held = 4, 7, 128, 10240, 8203
+    q, keys, values = inputs(kv, group * n, hd, capacity, seed=n, dtype=torch.bfloat16, device="cuda")
+    q = q.reshape(kv * group, n, hd)
+    k, v = (t[:, :n].clone() for t in inputs(kv, n, hd, n, seed=n + 1, dtype=torch.bfloat16, device="cuda")[1:])
+    mask = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
+    got = held_attention(q, k, v, keys, values, torch.tensor([held], device="cuda"), mask, hd ** -0.5)
+    assert KERNEL["last"] == "triton"
+    held_mask = torch.arange(capacity, device="cuda") < held
+    want = split_attention(q.float(), k.float(), v.float(), keys.float(), values.float(), mask, hd ** -0.5, held_mask)
+    # bf16 inputs and output, float32 accumulation (see the test above): a relative error of a few 1e-3
+    err = (got.double() - want.double()).norm() / want.double().norm()
+    assert err < 1e-2, err
