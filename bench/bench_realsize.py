@@ -184,9 +184,8 @@ def sparrow_costs(lm, cache, layout, token: int, position: int, repeats: int, *,
     cache of `text` tokens (VATA: it does not grow with the video) takes one step (a catch-up row)
     and drafts a `total`-`depth`-`topk` dynamic tree; the target verifies a tree of `total` nodes
     over its whole cache. Medians of `repeats` + 1 (the first untimed)."""
-    from models.steps import uncaptured_mode
     from models.sparrow import HeadCache, SparrowConfig, SparrowHead
-    from speculative.head_draft import draft_tree, grower, warm_tree
+    from speculative.head_draft import draft_tree, tree_grower, warm_tree
     from speculative.tree import bushy_tree, tree_depths, tree_mask
 
     torch.manual_seed(0)
@@ -200,7 +199,7 @@ def sparrow_costs(lm, cache, layout, token: int, position: int, repeats: int, *,
         head_cache.crop(text)
 
     warm_tree(head, lm, total=total, depth=depth, topk=topk)       # the head's tree compiled as the path's steps are
-    grow = grower(uncaptured_mode(lm.compile), lm.device)
+    grow = tree_grower(head, lm)                                   # (captured as a CUDA graph when they are)
 
     def tree():
         draft_tree(head, lm, head_cache, top, text, total=total, depth=depth, topk=topk, vocab=lm.vocabulary,

@@ -140,16 +140,17 @@ class SparrowHead(nn.Module):
         return self._finish(z, attn.reshape(n, c.heads * c.head_dim))
 
     def rows(self, z: torch.Tensor, positions: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
-             earlier_k: torch.Tensor, earlier_v: torch.Tensor, mask: torch.Tensor):
+             earlier_k: torch.Tensor, earlier_v: torch.Tensor, mask: torch.Tensor, held: torch.Tensor | None = None):
         """The layer over rows that are not cached (a draft tree's level): z [n, hidden] at
         positions [n]; every entry of the read-only prefix_k, prefix_v [KV, L, hd] (the head's
-        cache) is seen, and of the rows earlier_k, earlier_v [KV, e, hd] followed by these n, the
-        ones mask bool [n, e + n] says. Returns (ĥ [n, hidden], the n rows' keys and values
-        [KV, n, hd]). Fixed shapes and nothing written: what a compiled tree level needs."""
+        cache) is seen (with `held` bool [L], only those it marks: a fixed buffer with spare room),
+        and of the rows earlier_k, earlier_v [KV, e, hd] followed by these n, the ones mask bool
+        [n, e + n] says. Returns (ĥ [n, hidden], the n rows' keys and values [KV, n, hd]). Fixed
+        shapes and nothing written: what a compiled or captured tree level needs."""
         c = self.config
         q, k, v = self._project(z, positions)
         among_k, among_v = torch.cat([earlier_k, k], 1), torch.cat([earlier_v, v], 1)
-        attn = split_attention(q, among_k, among_v, prefix_k, prefix_v, mask, c.head_dim ** -0.5)   # [n, H*hd]
+        attn = split_attention(q, among_k, among_v, prefix_k, prefix_v, mask, c.head_dim ** -0.5, held)   # [n, H*hd]
         return self._finish(z, attn), k, v
 
     def _project(self, z: torch.Tensor, positions: torch.Tensor):

@@ -26,13 +26,14 @@ import torch
 
 from models.compiling import call_at_warmed_threads, private_copy, record_compile, set_threads, thread_counts
 from models.sparrow import HeadCache, SparrowHead
-from models.steps import uncaptured_mode
+from models.steps import CAPTURED, uncaptured_mode
 from speculative.protocol import DraftInfo, Proposal, Timer, Verdict
 from speculative.tree import best_subtree, chain_parents, to_expand, tree_depths
 
 
 def grow_tree(head: SparrowHead, lm, prefix_k: torch.Tensor, prefix_v: torch.Tensor, top: torch.Tensor,
-              position: int, *, depth: int, topk: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              position: int | torch.Tensor, *, depth: int, topk: int, vocab: int,
+              held: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """EAGLE-2's expansion in fixed shapes, a level at a time over the whole frontier. The root is
     the token whose head output is `top` [hidden], its children at text position `position`;
     prefix_k, prefix_v [KV, L, hd]: the head's cache (read, never written). Each level expands the
@@ -43,7 +44,9 @@ def grow_tree(head: SparrowHead, lm, prefix_k: torch.Tensor, prefix_v: torch.Ten
     -> tokens [N], parents [N] (-1: under the root), scores float64 [N] (cumulative
     log-probabilities), k = min(topk, vocab), N = k + (depth - 1)·k² when topk ≤ vocab; listed
     level by level and, within a level, by the expanded parent, best first. No Python per node
-    and no host sync: what torch.compile (or a captured graph) can take whole."""
+    and no host sync: what torch.compile (or a captured graph) can take whole. For a captured
+    graph (speculative.captured_tree) the cache is a fixed buffer of which `held` (bool [L]) marks
+    the entries, and `position` an int64 [1] tensor on the device."""
     k = min(topk, vocab)
     first = torch.log_softmax(lm.logits(top)[:vocab], -1).topk(k)
     tokens, parents, scores = [first.indices], [torch.full((k,), -1, device=top.device)], [first.values.double()]
@@ -62,8 +65,9 @@ def grow_tree(head: SparrowHead, lm, prefix_k: torch.Tensor, prefix_v: torch.Ten
                  else sees.new_zeros(e, 0))
         mask = torch.cat([above, torch.eye(e, dtype=torch.bool, device=top.device)], 1)   # [e, rows + e]
         z = head.fuse(lm.embed(tokens[-1][order]), states[up + 1])
-        out, new_k, new_v = head.rows(z, torch.full((e,), position + level - 1, device=top.device), prefix_k,
-                                      prefix_v, drafted_k, drafted_v, mask)                 # [e, hidden]
+        at = (torch.full((e,), position + level - 1, device=top.device) if isinstance(position, int)
+              else (position + (level - 1)).expand(e))                                      # [e]: the rows' positions
+        out, new_k, new_v = head.rows(z, at, prefix_k, prefix_v, drafted_k, drafted_v, mask, held)   # [e, hidden]
         sees = torch.cat([torch.cat([sees, sees.new_zeros(rows, e)], 1), mask])            # [rows + e, rows + e]
         drafted_k, drafted_v = torch.cat([drafted_k, new_k], 1), torch.cat([drafted_v, new_v], 1)
         states = torch.cat([states, out])
@@ -113,16 +117,32 @@ def grower(mode: str, device="cpu"):
     return _COMPILED[key]
 
 
+def tree_grower(head: SparrowHead, lm):
+    """How `head` grows its trees beside the target `lm`: replayed as a CUDA graph when the
+    target's steps are captured (lm.compile "cudagraph" or "reduce-overhead", on CUDA:
+    speculative.captured_tree, one per head and target), else grower() in the uncaptured mode."""
+    if lm.compile in CAPTURED and torch.device(lm.device).type == "cuda":
+        from speculative.captured_tree import CapturedTree
+
+        trees = head.__dict__.setdefault("_captured_trees", {})      # per target: the graph reads its LM head
+        if id(lm) not in trees:
+            trees[id(lm)] = CapturedTree(head, lm)
+        return trees[id(lm)]
+    return grower(uncaptured_mode(lm.compile), lm.device)
+
+
 @torch.inference_mode()
 def warm_tree(head: SparrowHead, lm, *, total: int, depth: int, topk: int) -> float:
-    """Compile the tree drafting of this shape for lm's compile mode now (nothing to do when it is
-    "off"), over a dummy cache, so that no request pays for it. Returns the seconds."""
+    """Compile (or capture) the tree drafting of this shape for lm's compile mode now (nothing to
+    do when it is "off"), over a dummy cache, so that no request pays for it. Returns the seconds."""
     if lm.compile == "off":
         return 0.0
+    grow = tree_grower(head, lm)
+    if not isinstance(grow, functools.partial):            # a captured tree: capture it now
+        return grow.warm(depth=depth, topk=topk, vocab=lm.vocabulary, what=f"sparrow tree {total}-{depth}-{topk}")
     t0, now = time.perf_counter(), torch.get_num_threads()
     cache = HeadCache.empty(head)
     top = head(cache, torch.zeros(3, head.config.hidden, device=lm.device, dtype=lm.dtype), torch.arange(3))[-1]
-    grow = grower(uncaptured_mode(lm.compile), lm.device)
     counts = grow.args[1]            # the thread counts the compiled tree is called at
     try:
         for threads in counts:
@@ -191,7 +211,7 @@ class HeadDrafter:
                 return None
             shape = dict(depth=self.depth, vocab=self.vocab)
             if self.tree:
-                grow = grower(uncaptured_mode(self.lm.compile), self.lm.device)
+                grow = tree_grower(self.head, self.lm)
                 tokens, parents, _ = draft_tree(self.head, self.lm, self.cache, self.top, self.position,
                                                 total=self.total, topk=self.topk, grow=grow, **shape)
             else:
