@@ -185,17 +185,23 @@ def sparrow_costs(lm, cache, layout, token: int, position: int, repeats: int, *,
     and drafts a `total`-`depth`-`topk` dynamic tree; the target verifies a tree of `total` nodes
     over its whole cache. Medians of `repeats` + 1 (the first untimed)."""
     from models.sparrow import HeadCache, SparrowConfig, SparrowHead
-    from speculative.head_draft import draft_tree, tree_grower, warm_tree
+    from speculative.head_draft import draft_tree, head_stepper, tree_grower, warm_tree
     from speculative.tree import bushy_tree, tree_depths, tree_mask
 
     torch.manual_seed(0)
     head = SparrowHead(SparrowConfig.of_target(lm)).to(lm.device, lm.dtype).eval()
     head_cache = HeadCache.empty(head)
-    z = torch.randn(text + 1, lm.hidden_size, device=lm.device, dtype=lm.dtype)
-    top = head(head_cache, z[:text], torch.arange(text))[-1]
+    z = torch.randn(text, lm.hidden_size, device=lm.device, dtype=lm.dtype)
+    top = head(head_cache, z, torch.arange(text))[-1]
+
+    stepper = head_stepper(head, lm)              # a CUDA graph beside a captured target, else the eager head
+    ids, features = torch.tensor([token]), torch.randn(1, lm.hidden_size, device=lm.device, dtype=lm.dtype)
 
     def step():
-        head(head_cache, z[text:], torch.tensor([text]))
+        if stepper is not None:
+            stepper(head_cache, ids, features, text)
+        else:
+            head(head_cache, head.fuse(lm.embed(ids), features), torch.tensor([text]))
         head_cache.crop(text)
 
     warm_tree(head, lm, total=total, depth=depth, topk=topk)       # the head's tree compiled as the path's steps are

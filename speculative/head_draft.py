@@ -45,7 +45,7 @@ def grow_tree(head: SparrowHead, lm, prefix_k: torch.Tensor, prefix_v: torch.Ten
     log-probabilities), k = min(topk, vocab), N = k + (depth - 1)·k² when topk ≤ vocab; listed
     level by level and, within a level, by the expanded parent, best first. No Python per node
     and no host sync: what torch.compile (or a captured graph) can take whole. For a captured
-    graph (speculative.captured_tree) the cache is a fixed buffer of which `held` (bool [L]) marks
+    graph (speculative.captured_head) the cache is a fixed buffer of which `held` (bool [L]) marks
     the entries, and `position` an int64 [1] tensor on the device."""
     k = min(topk, vocab)
     first = torch.log_softmax(lm.logits(top)[:vocab], -1).topk(k)
@@ -120,15 +120,28 @@ def grower(mode: str, device="cpu"):
 def tree_grower(head: SparrowHead, lm):
     """How `head` grows its trees beside the target `lm`: replayed as a CUDA graph when the
     target's steps are captured (lm.compile "cudagraph" or "reduce-overhead", on CUDA:
-    speculative.captured_tree, one per head and target), else grower() in the uncaptured mode."""
+    speculative.captured_head, one per head and target), else grower() in the uncaptured mode."""
     if lm.compile in CAPTURED and torch.device(lm.device).type == "cuda":
-        from speculative.captured_tree import CapturedTree
+        from speculative.captured_head import CapturedTree
 
         trees = head.__dict__.setdefault("_captured_trees", {})      # per target: the graph reads its LM head
         if id(lm) not in trees:
             trees[id(lm)] = CapturedTree(head, lm)
         return trees[id(lm)]
     return grower(uncaptured_mode(lm.compile), lm.device)
+
+
+def head_stepper(head: SparrowHead, lm):
+    """The head's catch-up step as a CUDA graph (speculative.captured_head.CapturedHeadStep) when
+    the target's steps are captured on CUDA, one per head and target; None: the eager head."""
+    if lm.compile in CAPTURED and torch.device(lm.device).type == "cuda":
+        from speculative.captured_head import CapturedHeadStep
+
+        steps = head.__dict__.setdefault("_captured_steps", {})
+        if id(lm) not in steps:
+            steps[id(lm)] = CapturedHeadStep(head, lm)
+        return steps[id(lm)]
+    return None
 
 
 @torch.inference_mode()
@@ -253,8 +266,12 @@ class HeadDrafter:
         # whose true feature precedes it (the pending token's, when there was one, came first)
         prev = feats[self.pending:]
         rows = torch.tensor(new)
-        out = self.head(self.cache, self.head.fuse(self.lm.embed(rows), prev[:rows.shape[0]]),
-                        torch.arange(self.position, self.position + rows.shape[0]))
+        step = head_stepper(self.head, self.lm)
+        if step is not None:
+            out = step(self.cache, rows, prev[:rows.shape[0]], self.position)
+        else:
+            out = self.head(self.cache, self.head.fuse(self.lm.embed(rows), prev[:rows.shape[0]]),
+                            torch.arange(self.position, self.position + rows.shape[0]))
         self.position += rows.shape[0]
         self.top, self.last_feature = out[-1], feats[-1]
         self.pending = 1 if verdict.token >= 0 else 0

@@ -116,31 +116,3 @@ def check_against_reference(head_and_target, shape, seed, grow, length=20):
     assert tokens.tolist() == want_tokens and parents.tolist() == want_parents
     assert facts == {"nodes": len(want_tokens), "depth": want_depth}
 
-
-@pytest.mark.parametrize("shape", [(10, 6, 2), (30, 4, 8), (1, 1, 1)])
-@torch.inference_mode()
-def test_the_captured_trees_body_is_eagle2_node_by_node(head_and_target, shape):
-    """speculative.captured_tree's body (the head's cache copied into a fixed buffer, the held
-    length marking it) on the CPU: the same trees, at cache lengths that fit the buffer, need a
-    larger one, and shrink back (a rollback)."""
-    from speculative.captured_tree import ROOM, CapturedTree
-
-    head, lm = head_and_target
-    tree = CapturedTree(head, lm, capture=False)
-    for seed, length in enumerate((20, ROOM + 5, 33)):
-        check_against_reference(head_and_target, shape, seed, tree, length=length)
-    assert tree._keys.shape[1] == 2 * ROOM            # grown once, kept when the cache got shorter
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are captured on a CUDA device")
-@torch.inference_mode()
-def test_the_captured_tree_replays_eagle2_on_cuda():
-    from speculative.captured_tree import CapturedTree
-
-    lm = load_model("zoo/weights/qwen-target", device="cuda")
-    head = SparrowHead.load("zoo/weights/qwen-sparrow", lm)
-    tree = CapturedTree(head, lm)
-    tree.warm(depth=4, topk=8, vocab=64)
-    for seed, length in enumerate((20, 41, 27)):           # one graph replayed for every length
-        check_against_reference((head, lm), (30, 4, 8), seed, tree, length=length)
-    assert tree.captures == 1
