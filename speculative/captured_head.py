@@ -1,6 +1,6 @@
 """The Sparrow head's work in a round replayed as CUDA graphs: its catch-up step over the tokens
 the target just accepted (CapturedHeadStep) and EAGLE-2's whole expansion (CapturedTree:
-speculative.head_draft grow_tree, every level's head forward, LM head, top-k and bookkeeping),
+speculative.expansion grow_tree, every level's head forward, LM head, top-k and bookkeeping),
 each captured once and replayed, so a round costs their kernels and not the host's launches.
 
     grow = CapturedTree(head, lm)                  # on the target's device
@@ -38,7 +38,7 @@ import time
 import torch
 
 from models.compiling import record_compile
-from speculative.head_draft import grow_tree
+from speculative.expansion import grow_tree
 
 ROOM = 256          # the buffer's capacity grows in steps of this many entries
 WARMUP = 2          # eager runs on a side stream before a capture (cuBLAS, sort workspaces, the allocator)

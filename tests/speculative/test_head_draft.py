@@ -1,4 +1,4 @@
-"""Sparrow's dynamic tree in fixed shapes (speculative.head_draft.grow_tree, eager and compiled) is
+"""Sparrow's dynamic tree in fixed shapes (speculative.expansion.grow_tree, eager and compiled) is
 EAGLE-2's expansion as written node by node: the same tokens, parents and depth, for the shipped
 head and random states, for the shapes the configs use and degenerate ones. The node-by-node
 version below is the reference: a plain transcription of the algorithm with Python lists, float64
@@ -16,7 +16,8 @@ import torch
 
 from models.load import load_model
 from models.sparrow import HeadCache, SparrowHead
-from speculative.head_draft import draft_tree, grow_tree, grower
+from speculative.expansion import grow_tree
+from speculative.head_draft import draft_tree, grower
 
 
 def eagle2_node_by_node(head, lm, cache, top, position, *, total, depth, topk, vocab):
