@@ -12,22 +12,25 @@
 #         is left, and a part with under 30 s left is skipped and says so.
 #
 # Parts, most important first:
-#   exactness  tests/models/test_prefix_attention.py (the Triton kernel in bf16 against float64
-#              attention) and tests/models/test_captured_step.py: CUDA graphs against the eager lean
-#              path in bf16 (toy target and random 7B), printing near ties and the largest logit difference;
+#   exactness  tests/models/test_prefix_attention.py (the Triton kernels in bf16 against float64
+#              attention), tests/speculative/test_captured_head.py (the Sparrow head's tree and step
+#              replayed against EAGLE-2 node by node and the eager head) and tests/models/test_captured_step.py:
+#              CUDA graphs against the eager lean path in bf16 (toy target and random 7B), printing near
+#              ties and the largest logit difference;
 #   anatomy    bench.step_anatomy on the 7B shape at 8K and 32K: the step's parts (weight products,
 #              attention by path, norms) each captured alone, against the whole captured step and the floor;
 #   realsize   bench_realsize on the Qwen2.5-VL-7B shape at 8K and 32K video tokens: the step by
-#              path (eager lean, captured, captured inductor kernels) against its floor and
-#              transformers' static cache + torch.compile, verifications, Sparrow's round, and
-#              torch.profiler's table of a step per path (what the step's time is spent on);
+#              captured path (eager operations, inductor's kernels) against its floor and
+#              transformers' static cache + torch.compile, verifications and Sparrow's round;
 #   toy        bench_sparrow on the GPU with captured steps: ar, sparrow, vanilla_sd, parallelvlm;
 #   figure5    QuickVideo's Figure 5 at real size (bench_quickvideo_gpu, ~5 min on an H100): not in
-#              the default set, which fills one call; run it in a second call with PARTS=figure5;
+#              the default set; run it in a call of its own with PARTS=figure5;
 #   nvdec      decoding on the GPU (torchcodec's CUDA device) against QuickCodec on the CPU cores, on
 #              the 10-min benchmark video, and NVDEC's frames against PyAV's (PARTS=nvdec; it needs
 #              torchcodec's CUDA build and FFmpeg's libraries on the machine, and says so without them).
 # PARTS (environment): which parts run, always in the order above (default "exactness anatomy realsize toy").
+#   On an H200 (2026-11-27) exactness took ~190 s, anatomy ~70 s and realsize ~200 s: the default set
+#   is more than one 540-s call; split it, PARTS="exactness anatomy realsize" then PARTS=toy.
 # Writes OUT/log.txt (everything printed), anatomy.md, realsize.json / .md, profile.md, toy_report.md / .csv,
 # figure5.md / .csv, nvdec.md; bench_realsize writes after each context, so a part cut short keeps what it measured.
 set -u
@@ -65,13 +68,13 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$log" 2>&1
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >> "$log" 2>&1
 
-part exactness 190 python3 -m pytest -q -s -p no:cacheprovider tests/models/test_prefix_attention.py \
-    tests/models/test_captured_step.py
+part exactness 220 python3 -m pytest -q -s -p no:cacheprovider tests/models/test_prefix_attention.py \
+    tests/speculative/test_captured_head.py tests/models/test_captured_step.py
 part anatomy 100 python3 -m bench.step_anatomy random:qwen2.5-vl-7b --contexts 8192 32768 --out "$OUT"
 
 tmp=$(mktemp -d)
-part realsize 330 python3 -m bench.bench_realsize --models random:qwen2.5-vl-7b --contexts 8192 32768 \
-    --paths lean cudagraph reduce-overhead --sparrow --peer --profile --steps 32 --repeats 3 --out "$tmp/realsize"
+part realsize 300 python3 -m bench.bench_realsize --models random:qwen2.5-vl-7b --contexts 8192 32768 \
+    --paths cudagraph reduce-overhead --sparrow --peer --steps 32 --repeats 2 --out "$tmp/realsize"
 [ -f "$tmp/realsize/results.json" ] && cp "$tmp/realsize/results.json" "$OUT/realsize.json"
 [ -f "$tmp/realsize/table.md" ] && cp "$tmp/realsize/table.md" "$OUT/realsize.md"
 [ -f "$tmp/realsize/profile.md" ] && cp "$tmp/realsize/profile.md" "$OUT/profile.md"
