@@ -195,13 +195,13 @@ def sparrow_costs(lm, cache, layout, token: int, position: int, repeats: int, *,
     top = head(head_cache, z, torch.arange(text))[-1]
 
     stepper = head_stepper(head, lm)              # a CUDA graph beside a captured target, else the eager head
-    ids, features = torch.tensor([token]), torch.randn(1, lm.hidden_size, device=lm.device, dtype=lm.dtype)
+    row, feature = torch.tensor([token]), torch.randn(1, lm.hidden_size, device=lm.device, dtype=lm.dtype)
 
     def step():
         if stepper is not None:
-            stepper(head_cache, ids, features, text)
+            stepper(head_cache, row, feature, text)
         else:
-            head(head_cache, head.fuse(lm.embed(ids), features), torch.tensor([text]))
+            head(head_cache, head.fuse(lm.embed(row), feature), torch.tensor([text]))
         head_cache.crop(text)
 
     warm_tree(head, lm, total=total, depth=depth, topk=topk)       # the head's tree compiled as the path's steps are

@@ -58,6 +58,12 @@ def device_ms(fn, repeats: int = 50) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return replay_ms(graph, repeats)
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 50) -> float:
+    """Median ms of a captured graph's replays, between device events (not captured again: a
+    graph launched inside another capture is not portable across CUDA versions)."""
     times = []
     for _ in range(repeats):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -133,8 +139,7 @@ def step_parts(lm, cache, context: int, steps: dict, modes) -> list[tuple[str, f
         try:
             lean.forward(cache, embeds, position)              # captures over this cache's buffers
             cache.crop(-1)
-            graph = lean.step.latest_graph(1)
-            rows.append((f"captured step ({mode}): the graph's replay", device_ms(graph.replay)))
+            rows.append((f"captured step ({mode}): the graph's replay", replay_ms(lean.step.latest_graph(1))))
             times = []
             for i in range(40):
                 torch.cuda.synchronize()

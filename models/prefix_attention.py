@@ -7,8 +7,8 @@ softmax's log-sum-exp beside the output, so the caller can merge it with the new
         entries (int64 [1] tensor, read on the device) are held and the rest is spare room;
         -> out float32 [KV, R, hd] (softmax-weighted values), lse float32 [KV, R]
     attn = held_attention(q, k, v, keys, values, length, mask, scaling)
-        the n new tokens (q [H, n, hd], k, v [KV, n, hd], mask bool [n, n]) over the held prefix
-        and among themselves -> [n, H * hd]: what a captured step's layer calls
+        n new tokens (q [H, n, hd]) over the held prefix and the m new rows (k, v [KV, m, hd],
+        mask bool [n, m]) -> [n, H * hd]: what a captured step's layer calls
 
 Why a kernel: a decode step has one to a few dozen query rows per KV head and thousands of keys.
 As two matrix products (scores, then probabilities × values) the second one reduces over the
@@ -42,6 +42,7 @@ except ImportError:                    # pragma: no cover - depends on the insta
     triton = None
 
 BLOCK_N = 64            # keys a program takes per iteration
+MAX_NEW = 64            # new rows the merging kernel takes in one tile; more go through plain torch
 SPLITS_PER_SM = 2       # aim for this many programs per multiprocessor
 
 
@@ -53,10 +54,11 @@ def prefix_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torc
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scaling                      # [KV, R, capacity]
     scores = scores.masked_fill(~held, float("-inf"))
     top = scores.amax(-1, keepdim=True)                                                     # [KV, R, 1]
+    top = top.masked_fill(top == float("-inf"), 0.0)        # nothing held: weights 0, not exp(-inf + inf)
     p = (scores - top).exp()
     total = p.sum(-1, keepdim=True)
-    out = torch.matmul(p.to(values.dtype), values).float() / total                          # [KV, R, hd]
-    return out, (top + total.log()).squeeze(-1)
+    out = torch.matmul(p.to(values.dtype), values).float() / total.clamp_min(torch.finfo(torch.float32).tiny)
+    return out, (top + total.log()).squeeze(-1)             # -inf for an empty prefix: no weight in a merge
 
 
 def merge_with_new(out: torch.Tensor, lse: torch.Tensor, scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -72,15 +74,16 @@ def merge_with_new(out: torch.Tensor, lse: torch.Tensor, scores: torch.Tensor, v
 
 def held_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    length: torch.Tensor, mask: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Attention of n new tokens over a buffer's held prefix and among themselves: q [H, n, hd];
-    k, v [KV, n, hd] (the new tokens'); keys, values [KV, capacity, hd] with `length` (int64 [1])
-    entries held; mask bool [n, n] (which new tokens each one sees, itself included). Heads grouped
-    as transformers' repeat_kv lays them out. -> [n, H * hd] in q's dtype."""
+    """Attention of n new tokens over a buffer's held prefix and among the new rows: q [H, n, hd];
+    k, v [KV, m, hd] (the new rows', m ≥ n: rows drafted earlier may come first); keys, values
+    [KV, capacity, hd] with `length` (int64 [1]) entries held; mask bool [n, m] (which new rows
+    each token sees, itself included). Heads grouped as transformers' repeat_kv lays them out.
+    -> [n, H * hd] in q's dtype."""
     heads, n, hd = q.shape
     kv, m = k.shape[0], k.shape[1]
     group = heads // kv
     qg = q.reshape(kv, group * n, hd)                                                       # [KV, G*n, hd]
-    if kernel_available(q):
+    if kernel_available(q) and m <= MAX_NEW:
         merged = grouped_held_attention(qg, k, v, keys, values, length, mask, scaling)      # [KV, G*n, hd]
     else:
         out, lse = prefix_attention_reference(qg, keys, values, length, scaling)
@@ -97,7 +100,7 @@ if triton is not None:
     def _split_kernel(q, keys, values, length, out, lse, rows, scaling,
                       sq_h, sq_r, sk_h, sk_n, sv_h, sv_n, so_h, so_s, so_r, sl_h, sl_s,
                       HD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                      SPLIT: tl.constexpr):
+                      SPLIT: tl.constexpr, PRECISION: tl.constexpr):
         """One (KV head, block of query rows, split of the prefix): online softmax over the split's
         held keys; writes the split's normalised output and log-sum-exp (-inf when it holds none)."""
         head = tl.program_id(0) // ROW_BLOCKS
@@ -118,7 +121,7 @@ if triton is not None:
             n = start + i + tl.arange(0, BLOCK_N)
             seen = n < end
             k = tl.load(keys + head * sk_h + n[:, None] * sk_n + d[None, :], mask=seen[:, None], other=0.0)
-            score = tl.dot(query, tl.trans(k)) * scaling                                # [BLOCK_R, BLOCK_N]
+            score = tl.dot(query, tl.trans(k), input_precision=PRECISION) * scaling     # [BLOCK_R, BLOCK_N]
             score = tl.where(seen[None, :], score, float("-inf"))
             new_top = tl.maximum(top, tl.max(score, 1))
             # rows that have seen no key yet keep top -inf: exp(-inf - -inf) must read as 1, not NaN
@@ -126,7 +129,7 @@ if triton is not None:
             p = tl.where(seen[None, :], tl.exp(score - new_top[:, None]), 0.0)
             total = total * keep + tl.sum(p, 1)
             v = tl.load(values + head * sv_h + n[:, None] * sv_n + d[None, :], mask=seen[:, None], other=0.0)
-            acc = acc * keep[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * keep[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             top = new_top
         some = total > 0
         result = tl.where(some[:, None], acc / tl.where(some, total, 1.0)[:, None], 0.0)
@@ -137,10 +140,19 @@ if triton is not None:
 
 def kernel_available(q: torch.Tensor) -> bool:
     """Whether the Triton kernel serves these queries: Triton present, a CUDA tensor (or Triton's
-    interpreter, TRITON_INTERPRET=1, which runs it on the CPU) and a power-of-two head size ≥ 16."""
+    interpreter, TRITON_INTERPRET=1, which runs it on the CPU), a power-of-two head size ≥ 16 and
+    a 16- or 32-bit float dtype."""
     hd = q.shape[-1]
     on_device = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return triton is not None and on_device and hd >= 16 and hd & (hd - 1) == 0
+    return (triton is not None and on_device and hd >= 16 and hd & (hd - 1) == 0
+            and q.dtype in (torch.float16, torch.bfloat16, torch.float32))
+
+
+def precision(q: torch.Tensor) -> str:
+    """tl.dot's precision for q's dtype: float32 exactly ("ieee"; Triton's default for float32 is
+    TF32 on recent cards, about 1e-3 off, where the eager path computes in float32), other dtypes
+    as they are (the argument applies to float32 inputs only)."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
 def split_size(capacity: int, programs_per_split: int, device: torch.device) -> int:
@@ -167,7 +179,7 @@ def _split_parts(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, leng
         q, keys, values, length, parts, part_lse, rows, scaling,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         parts.stride(0), parts.stride(1), parts.stride(2), part_lse.stride(0), part_lse.stride(1),
-        HD=hd, BLOCK_R=block_r, BLOCK_N=BLOCK_N, ROW_BLOCKS=row_blocks, SPLIT=split)
+        HD=hd, BLOCK_R=block_r, BLOCK_N=BLOCK_N, ROW_BLOCKS=row_blocks, SPLIT=split, PRECISION=precision(q))
     return parts, part_lse
 
 
@@ -186,13 +198,14 @@ def prefix_attention_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.T
 
 if triton is not None:
     @triton.jit
-    def _combine_kernel(parts, part_lse, q, k, v, mask, out, rows, splits, tokens, scaling,
+    def _combine_kernel(parts, part_lse, q, k, v, mask, out, rows, splits, tokens, new_rows, scaling,
                         sp_h, sp_s, sp_r, sl_h, sl_s, sq_h, sq_r, sk_h, sk_n, sv_h, sv_n, sm_r, so_h, so_r,
                         HD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                        MAX_SPLITS: tl.constexpr):
+                        MAX_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
         """One (KV head, block of query rows): the splits merged by their log-sum-exps, then the
-        softmax shared with the new tokens' part (their keys k, values v [KV, m, hd], `mask` bool
-        [n, m]: query row r is token r % n of its group), written in the output's dtype."""
+        softmax shared with the new rows' part (their keys k, values v [KV, m, hd] with m =
+        new_rows, `mask` bool [n, m] with n = tokens: query row r is token r % n of its group),
+        written in the output's dtype."""
         head = tl.program_id(0) // ROW_BLOCKS
         block = tl.program_id(0) % ROW_BLOCKS
         r = block * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -204,6 +217,7 @@ if triton is not None:
         lses = tl.load(part_lse + head * sl_h + si[:, None] * sl_s + r[None, :],
                        mask=(si[:, None] < splits) & live[None, :], other=float("-inf"))
         top = tl.max(lses, 0)
+        top = tl.where(top == float("-inf"), 0.0, top)          # nothing held: weights 0, not exp(-inf + inf)
         weights = tl.where(si[:, None] < splits, tl.exp(lses - top[None, :]), 0.0)           # [MAX_SPLITS, BLOCK_R]
         total = tl.sum(weights, 0)
         acc = tl.zeros([BLOCK_R, HD], tl.float32)
@@ -213,20 +227,22 @@ if triton is not None:
             part = tl.load(parts + head * sp_h + i * sp_s + r[:, None] * sp_r + d[None, :],
                            mask=live[:, None] & (i < splits), other=0.0)
             acc += w[:, None] * part
-        lse = top + tl.log(total)                                                     # the prefix's [BLOCK_R]
-        prefix = acc / total[:, None]
+        lse = top + tl.log(total)                                 # the prefix's [BLOCK_R]; -inf when empty
+        prefix = acc / tl.maximum(total, 1e-30)[:, None]
         query = tl.load(q + head * sq_h + r[:, None] * sq_r + d[None, :], mask=live[:, None], other=0.0)
         j = tl.arange(0, BLOCK_M)
-        present = j < tokens
+        present = j < new_rows
         new_k = tl.load(k + head * sk_h + j[:, None] * sk_n + d[None, :], mask=present[:, None], other=0.0)
         new_v = tl.load(v + head * sv_h + j[:, None] * sv_n + d[None, :], mask=present[:, None], other=0.0)
         seen = tl.load(mask + (r % tokens)[:, None] * sm_r + j[None, :], mask=live[:, None] & present[None, :],
                        other=0) != 0
-        score = tl.where(seen, tl.dot(query, tl.trans(new_k)) * scaling, float("-inf"))   # [BLOCK_R, BLOCK_M]
+        score = tl.where(seen, tl.dot(query, tl.trans(new_k), input_precision=PRECISION) * scaling,
+                         float("-inf"))                                                       # [BLOCK_R, BLOCK_M]
         new_top = tl.maximum(lse, tl.max(score, 1))             # finite: every row sees itself
         w_prefix = tl.exp(lse - new_top)
         p = tl.where(seen, tl.exp(score - new_top[:, None]), 0.0)
-        merged = (prefix * w_prefix[:, None] + tl.dot(p.to(new_v.dtype), new_v)) / (w_prefix + tl.sum(p, 1))[:, None]
+        merged = (prefix * w_prefix[:, None] + tl.dot(p.to(new_v.dtype), new_v, input_precision=PRECISION)) \
+            / (w_prefix + tl.sum(p, 1))[:, None]
         tl.store(out + head * so_h + r[:, None] * so_r + d[None, :], merged.to(out.dtype.element_ty),
                  mask=live[:, None])
 
@@ -234,9 +250,9 @@ if triton is not None:
 def held_attention_kernel(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
                           values: torch.Tensor, length: torch.Tensor, mask: torch.Tensor,
                           scaling: float) -> torch.Tensor:
-    """The grouped queries qg [KV, G*n, hd] over the held prefix and the n new tokens (k, v
-    [KV, n, hd], mask bool [n, n]) in two launches: the split kernel, then one that merges the
-    splits and the new tokens. -> [KV, G*n, hd] in qg's dtype."""
+    """The grouped queries qg [KV, G*n, hd] of n tokens over the held prefix and the m ≤ MAX_NEW
+    new rows (k, v [KV, m, hd], mask bool [n, m]) in two launches: the split kernel, then one that
+    merges the splits and the new rows. -> [KV, G*n, hd] in qg's dtype."""
     qg, k, v, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (qg, k, v, keys, values))
     mask = mask.contiguous()
     parts, part_lse = _split_parts(qg, keys, values, length, scaling)
@@ -245,12 +261,12 @@ def held_attention_kernel(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     row_blocks = math.ceil(rows / block_r)
     out = torch.empty_like(qg)
     _combine_kernel[(kv * row_blocks,)](
-        parts, part_lse, qg, k, v, mask, out, rows, parts.shape[1], k.shape[1], scaling,
+        parts, part_lse, qg, k, v, mask, out, rows, parts.shape[1], mask.shape[0], k.shape[1], scaling,
         parts.stride(0), parts.stride(1), parts.stride(2), part_lse.stride(0), part_lse.stride(1),
         qg.stride(0), qg.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
         out.stride(0), out.stride(1),
         HD=hd, BLOCK_R=block_r, BLOCK_M=max(16, triton.next_power_of_2(k.shape[1])), ROW_BLOCKS=row_blocks,
-        MAX_SPLITS=triton.next_power_of_2(parts.shape[1]))
+        MAX_SPLITS=triton.next_power_of_2(parts.shape[1]), PRECISION=precision(qg))
     return out
 
 

@@ -46,7 +46,8 @@ WARMUP = 2          # eager runs on a side stream before a capture (cuBLAS, sort
 
 class _HeadGraphs:
     """What both captured parts share: a fixed buffer the head's cache is copied into before each
-    replay (its held length as data), and captures into one memory pool."""
+    replay (its held length as data), and captures into one memory pool. One drafter at a time:
+    the buffers and the graphs' outputs are shared by every call (a stage drives one drafter)."""
 
     def __init__(self, head, lm, capture: bool | None):
         self.head, self.lm = head, lm
@@ -145,6 +146,23 @@ class CapturedTree(_HeadGraphs):
 
 class CapturedHeadStep(_HeadGraphs):
     """The head over a few new rows (a round's catch-up), replayed as a CUDA graph per row count."""
+
+    @torch.inference_mode()
+    def warm(self, *, rows: int) -> float:
+        """Capture the steps of 1..rows rows now over a small dummy cache (the first ROOM-entry
+        buffer), so that no round pays for a capture. Returns the seconds."""
+        from models.sparrow import HeadCache
+
+        c, weight = self.head.config, self.head.fc.weight
+        t0 = time.perf_counter()
+        for m in range(1, rows + 1):
+            cache = HeadCache(*(torch.zeros(c.kv_heads, 3, c.head_dim, device=weight.device, dtype=weight.dtype)
+                                for _ in range(2)))
+            self(cache, torch.zeros(m, dtype=torch.long),
+                 torch.zeros(m, c.hidden, device=weight.device, dtype=weight.dtype), 3)
+        seconds = time.perf_counter() - t0
+        record_compile(f"sparrow head step, 1-{rows} rows, captured", "cudagraph" if self.capture else "off", seconds)
+        return seconds
 
     def __init__(self, head, lm, *, capture: bool | None = None):
         super().__init__(head, lm, capture)

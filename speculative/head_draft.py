@@ -108,8 +108,9 @@ def warm_tree(head: SparrowHead, lm, *, total: int, depth: int, topk: int) -> fl
     if lm.compile == "off":
         return 0.0
     grow = tree_grower(head, lm)
-    if not isinstance(grow, functools.partial):            # a captured tree: capture it now
-        return grow.warm(depth=depth, topk=topk, vocab=lm.vocabulary, what=f"sparrow tree {total}-{depth}-{topk}")
+    if not isinstance(grow, functools.partial):            # a captured tree and catch-up step: capture them now
+        seconds = grow.warm(depth=depth, topk=topk, vocab=lm.vocabulary, what=f"sparrow tree {total}-{depth}-{topk}")
+        return seconds + head_stepper(head, lm).warm(rows=depth + 1)     # a round accepts ≤ depth tokens, + 1
     t0, now = time.perf_counter(), torch.get_num_threads()
     cache = HeadCache.empty(head)
     top = head(cache, torch.zeros(3, head.config.hidden, device=lm.device, dtype=lm.dtype), torch.arange(3))[-1]

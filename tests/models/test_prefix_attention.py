@@ -92,16 +92,27 @@ INTERPRETED = textwrap.dedent("""
     # both kernels through held_attention (what captured steps call): prefix and new tokens merged,
     # against split attention over the held part (models.compiled_step, two plain products)
     from models.compiled_step import split_attention
-    for kv, group, n, hd, capacity, held in [(2, 2, 1, 64, 300, 257), (2, 3, 5, 32, 700, 650), (1, 7, 32, 16, 130, 64)]:
+    # m new rows for n tokens (m > n: rows drafted earlier come first), and an empty prefix
+    for kv, group, n, m, hd, capacity, held in [(2, 2, 1, 1, 64, 300, 257), (2, 3, 5, 5, 32, 700, 650),
+                                                (1, 7, 32, 32, 16, 130, 64), (2, 2, 3, 7, 32, 100, 40),
+                                                (1, 2, 2, 2, 16, 64, 0)]:
         q = torch.randn(kv * group, n, hd, generator=g)
-        k, v = torch.randn(kv, n, hd, generator=g), torch.randn(kv, n, hd, generator=g)
+        k, v = torch.randn(kv, m, hd, generator=g), torch.randn(kv, m, hd, generator=g)
         keys, values = torch.randn(kv, capacity, hd, generator=g), torch.randn(kv, capacity, hd, generator=g)
-        mask = torch.rand(n, n, generator=g) < 0.5
-        mask |= torch.eye(n, dtype=torch.bool)                          # a tree's mask: each row sees itself
+        mask = torch.rand(n, m, generator=g) < 0.5
+        mask[:, m - n:] |= torch.eye(n, dtype=torch.bool)              # a tree's mask: each row sees itself
         got = pa.held_attention(q, k, v, keys, values, torch.tensor([held]), mask, hd ** -0.5)
         assert pa.KERNEL["last"] == "triton"
-        want = split_attention(q, k, v, keys, values, mask, hd ** -0.5, torch.arange(capacity) < held)
+        if held:
+            want = split_attention(q, k, v, keys, values, mask, hd ** -0.5, torch.arange(capacity) < held)
+        else:                                                           # the new rows alone
+            scores = (q.reshape(kv, group * n, hd) @ k.transpose(-1, -2) * hd ** -0.5).view(kv, group, n, m)
+            weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).view(kv, group * n, m)
+            want = (weights @ v).view(kv, group, n, hd).reshape(kv * group, n, hd).transpose(0, 1).reshape(n, -1)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        ref = pa.held_attention(q.double(), k.double(), v.double(), keys.double(), values.double(),
+                                torch.tensor([held]), mask, hd ** -0.5)      # float64: the torch path
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
     print("kernel matches")
 """)
 

@@ -52,6 +52,18 @@ def test_the_steps_body_is_the_eager_head(head_and_target, rows):
     torch.testing.assert_close(captured.values, eager.values, rtol=1e-5, atol=1e-5)
 
 
+@torch.inference_mode()
+def test_warming_the_step_leaves_the_callers_cache_alone(head_and_target):
+    head, lm = head_and_target
+    step = CapturedHeadStep(head, lm, capture=False)
+    cache = HeadCache.empty(head)
+    head(cache, torch.randn(9, lm.hidden_size), torch.arange(9))
+    keys = cache.keys.clone()
+    step.warm(rows=3)
+    out = step(cache, torch.tensor([4]), torch.randn(1, lm.hidden_size), 9)
+    assert out.shape == (1, lm.hidden_size) and cache.length == 10 and torch.equal(cache.keys[:, :9], keys)
+
+
 def test_a_captured_head_refuses_a_cpu_device_and_another_head(head_and_target):
     head, lm = head_and_target
     with pytest.raises(ValueError, match="CUDA"):
@@ -73,6 +85,8 @@ def test_the_tree_and_the_step_replay_on_cuda():
         check_against_reference((head, lm), (30, 4, 8), seed, tree, length=length)
     assert tree.captures == 1
     step = CapturedHeadStep(head, lm)
+    step.warm(rows=4)                                       # what warm_tree does at load (depth 3 + 1)
+    assert step.captures == 4
     eager, captured = HeadCache.empty(head), HeadCache.empty(head)
     prompt = torch.randn(15, lm.hidden_size, device="cuda")
     for cache in (eager, captured):
@@ -83,4 +97,4 @@ def test_the_tree_and_the_step_replay_on_cuda():
         want = head(eager, head.fuse(lm.embed(ids), features), torch.arange(position, position + rows))
         got = step(captured, ids, features, position)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)    # float32 on the GPU (TF32 off by default)
-    assert step.captures == 2
+    assert step.captures == 4                              # the warmed graphs, replayed
