@@ -222,10 +222,10 @@ if triton is not None:
         total = tl.sum(weights, 0)
         acc = tl.zeros([BLOCK_R, HD], tl.float32)
         for i in range(0, MAX_SPLITS):
-            w = tl.exp(tl.load(part_lse + head * sl_h + i * sl_s + r, mask=live & (i < splits),
-                               other=float("-inf")) - top)
-            part = tl.load(parts + head * sp_h + i * sp_s + r[:, None] * sp_r + d[None, :],
-                           mask=live[:, None] & (i < splits), other=0.0)
+            take = live & ((r * 0 + i) < splits)                  # a block of booleans, as every Triton takes
+            w = tl.exp(tl.load(part_lse + head * sl_h + i * sl_s + r, mask=take, other=float("-inf")) - top)
+            part = tl.load(parts + head * sp_h + i * sp_s + r[:, None] * sp_r + d[None, :], mask=take[:, None],
+                           other=0.0)
             acc += w[:, None] * part
         lse = top + tl.log(total)                                 # the prefix's [BLOCK_R]; -inf when empty
         prefix = acc / tl.maximum(total, 1e-30)[:, None]
