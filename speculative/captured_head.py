@@ -62,6 +62,7 @@ class _HeadGraphs:
         self._graphs: dict[tuple, tuple] = {}          # shape -> (graph, outputs)
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.captures = 0
+        self.capture_bytes = 0          # memory the captures reserved (plan.txt, through warm's record)
 
     def _load(self, prefix_k: torch.Tensor, prefix_v: torch.Tensor, position: int) -> None:
         """Copy the head's cache [KV, L, hd] into the buffer (a larger one when it has outgrown it;
@@ -87,6 +88,7 @@ class _HeadGraphs:
             return body()
         if shape not in self._graphs:
             device = self._keys.device
+            reserved = torch.cuda.memory_reserved(device)
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
@@ -101,9 +103,14 @@ class _HeadGraphs:
                 outputs = body()
             self._graphs[shape] = (graph, outputs)
             self.captures += 1
+            self.capture_bytes += max(0, torch.cuda.memory_reserved(device) - reserved)
         graph, outputs = self._graphs[shape]
         graph.replay()
         return outputs
+
+    def _memory(self) -> str:
+        """What the captures reserved so far, for the compile record (nothing without capture)."""
+        return f", {self.capture_bytes / 2**20:.0f} MiB of graphs" if self.capture else ""
 
     def _check(self, head, lm) -> None:
         if head is not self.head or lm is not self.lm:
@@ -140,7 +147,7 @@ class CapturedTree(_HeadGraphs):
              depth=depth, topk=topk, vocab=vocab)
         seconds = time.perf_counter() - t0
         what = what or f"sparrow tree of depth {depth}, top {topk}"
-        record_compile(f"{what}, captured", "cudagraph" if self.capture else "off", seconds)
+        record_compile(f"{what}, captured{self._memory()}", "cudagraph" if self.capture else "off", seconds)
         return seconds
 
 
@@ -161,7 +168,8 @@ class CapturedHeadStep(_HeadGraphs):
             self(cache, torch.zeros(m, dtype=torch.long),
                  torch.zeros(m, c.hidden, device=weight.device, dtype=weight.dtype), 3)
         seconds = time.perf_counter() - t0
-        record_compile(f"sparrow head step, 1-{rows} rows, captured", "cudagraph" if self.capture else "off", seconds)
+        record_compile(f"sparrow head step, 1-{rows} rows, captured{self._memory()}", "cudagraph" if self.capture
+                       else "off", seconds)
         return seconds
 
     def __init__(self, head, lm, *, capture: bool | None = None):
