@@ -74,30 +74,38 @@ def grower(mode: str, device="cpu"):
     return _COMPILED[key]
 
 
+def captures_head(lm) -> bool:
+    """Whether the head's work runs as CUDA graphs beside `lm`: when the target's steps are
+    captured (lm.compile "cudagraph" or "reduce-overhead") on CUDA."""
+    return lm.compile in CAPTURED and torch.device(lm.device).type == "cuda"
+
+
+def _captured(head: SparrowHead, lm, kind):
+    """The head's one `kind` (speculative.captured_head's CapturedTree or CapturedHeadStep) for the
+    target `lm`, made on first use: per target, since the graphs read its embedding and LM head."""
+    made = head.__dict__.setdefault("_captured", {})
+    if (kind, id(lm)) not in made:
+        made[kind, id(lm)] = kind(head, lm)
+    return made[kind, id(lm)]
+
+
 def tree_grower(head: SparrowHead, lm):
-    """How `head` grows its trees beside the target `lm`: replayed as a CUDA graph when the
-    target's steps are captured (lm.compile "cudagraph" or "reduce-overhead", on CUDA:
-    speculative.captured_head, one per head and target), else grower() in the uncaptured mode."""
-    if lm.compile in CAPTURED and torch.device(lm.device).type == "cuda":
+    """How `head` grows its trees beside the target `lm`: replayed as a CUDA graph when
+    captures_head(lm) (speculative.captured_head.CapturedTree), else grower() in the uncaptured mode."""
+    if captures_head(lm):
         from speculative.captured_head import CapturedTree
 
-        trees = head.__dict__.setdefault("_captured_trees", {})      # per target: the graph reads its LM head
-        if id(lm) not in trees:
-            trees[id(lm)] = CapturedTree(head, lm)
-        return trees[id(lm)]
+        return _captured(head, lm, CapturedTree)
     return grower(uncaptured_mode(lm.compile), lm.device)
 
 
 def head_stepper(head: SparrowHead, lm):
     """The head's catch-up step as a CUDA graph (speculative.captured_head.CapturedHeadStep) when
-    the target's steps are captured on CUDA, one per head and target; None: the eager head."""
-    if lm.compile in CAPTURED and torch.device(lm.device).type == "cuda":
+    captures_head(lm); None: the eager head."""
+    if captures_head(lm):
         from speculative.captured_head import CapturedHeadStep
 
-        steps = head.__dict__.setdefault("_captured_steps", {})
-        if id(lm) not in steps:
-            steps[id(lm)] = CapturedHeadStep(head, lm)
-        return steps[id(lm)]
+        return _captured(head, lm, CapturedHeadStep)
     return None
 
 
@@ -108,7 +116,7 @@ def warm_tree(head: SparrowHead, lm, *, total: int, depth: int, topk: int) -> fl
     if lm.compile == "off":
         return 0.0
     grow = tree_grower(head, lm)
-    if not isinstance(grow, functools.partial):            # a captured tree and catch-up step: capture them now
+    if captures_head(lm):                                  # the tree and the catch-up step: capture them now
         seconds = grow.warm(depth=depth, topk=topk, vocab=lm.vocabulary, what=f"sparrow tree {total}-{depth}-{topk}")
         return seconds + head_stepper(head, lm).warm(rows=depth + 1)     # a round accepts ≤ depth tokens, + 1
     t0, now = time.perf_counter(), torch.get_num_threads()
