@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,8 @@ import torch
 from models.prefix_attention import held_attention, merge_with_new, prefix_attention, prefix_attention_reference
 
 ROOT = Path(__file__).resolve().parents[2]
+# where the test extra installs Triton (pyproject.toml's marker): there, a missing Triton is a broken install
+TRITON_WHEELS = platform.system() == "Linux" and platform.machine() == "x86_64"
 
 
 def exact_attention(q, keys, values, held, scaling):
@@ -121,6 +124,9 @@ def test_the_triton_kernel_matches_the_reference_in_the_interpreter():
     """The kernel's own code, run by Triton's interpreter on the CPU (a fresh process: the
     interpreter is chosen when the kernel is defined)."""
     if importlib.util.find_spec("triton") is None:
+        if not TRITON_WHEELS:        # the test extra leaves Triton out here: nothing was promised
+            pytest.skip(f"Triton publishes no wheel for {platform.system()} {platform.machine()}, so the "
+                        "test extra does not install it there")
         pytest.fail("Triton is a test dependency (pip install -e '.[test]'): the kernel is tested through "
                     "its interpreter")
     done = subprocess.run([sys.executable, "-c", INTERPRETED.format(root=str(ROOT))], capture_output=True, text=True,
