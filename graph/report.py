@@ -19,6 +19,7 @@ show comes from the experiment's `report:` block, all optional:
         - {x: case, y: [a_s, b_s], kind: stacked, where: {case: [ar, sequential]}}
         - {y: per_position_acceptance, kind: profile, hue: case, xlabel: position}   # a list-valued column
         - {x: samples_per_gop, y: ratio, hue: case, kind: line, logx: true, hline: 1}   # numeric x, a level
+      repeat: bench.repeat                                    # a swept key whose values are repeats
 
 A row holds the job's overrides, its metrics.json (nested keys joined by dots) and, for keys
 neither sets, its composed config (e.g. graph.prune.ratio). `where` values may be lists (any
@@ -29,6 +30,13 @@ A column, a `relative:` source or a name in a `derived:` expression that no job 
 does not define is an error naming it and the closest metrics there are, not an empty column. A
 derived column only some methods have is marked `optional: true` (`{expr: ..., optional: true}`):
 blank when the sweep runs none of them.
+
+`repeat:` names a swept key that only numbers repeats of the same jobs (`bench.repeat=0,1,2`, put
+before the compared key on the command line so that Hydra alternates them: ar, sparrow, ar,
+sparrow, ...). Derived and relative columns then pair each job with the baseline of its own repeat,
+and report.md adds a table with one row per setting: each number the median over the repeats, with
+the range beside it; the plots show the medians. On a machine whose speed drifts from one minute to
+the next, a ratio of two jobs run minutes apart measures the drift as much as the methods.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ import json
 import logging
 import math
 import operator
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -257,16 +266,59 @@ def evaluate(expression: str, row: dict, others: dict[str, dict] | None = None,
         return None
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not (isinstance(v, float) and math.isnan(v))
+
+
+def over_repeats(rows: list[dict], swept: list[str], key: str) -> list[dict]:
+    """One row per setting of the swept keys other than `key` (the repeat number): each number the
+    median of the ok rows' values, its range under "<column>~" as (min, max), list columns (profiles)
+    the element-wise median, anything else the first row's; "repeats" counts the ok rows."""
+    others = [k for k in swept if k != key]
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(json.dumps(r.get(k), default=str) for k in others), []).append(r)
+    out = []
+    for members in groups.values():
+        ok = [r for r in members if r["status"] == "ok"] or members
+        row = {k: v for k, v in members[0].items()}
+        row.update({key: None, "repeats": sum(r["status"] == "ok" for r in members),
+                    "status": "ok" if any(r["status"] == "ok" for r in members) else members[0]["status"]})
+        for col in dict.fromkeys(c for r in ok for c in r):
+            if col == key or col in others:
+                continue
+            values = [r.get(col) for r in ok]
+            numbers = [v for v in values if _number(v)]
+            if numbers and len(numbers) == len([v for v in values if v is not None]):
+                row[col] = statistics.median(numbers)
+                row[col + "~"] = (min(numbers), max(numbers))
+            elif values and all(isinstance(v, list) and v and len(v) == len(values[0]) and all(map(_number, v))
+                                for v in values):
+                row[col] = [statistics.median(x) for x in zip(*values)]
+        out.append(row)
+    return out
+
+
+def _fmt_spread(row: dict, column: str) -> str:
+    """A median with its range, "1.23 (1.1–1.35)"; just the value where the repeats agree."""
+    text = _fmt(row.get(column))
+    spread = row.get(column + "~")
+    if spread and spread[0] != spread[1]:
+        text += f" ({_fmt(spread[0])}–{_fmt(spread[1])})"
+    return text
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4g}" if not math.isnan(v) else "nan"
     return "" if v is None else str(v)
 
 
-def markdown(rows: list[dict], columns: list[str]) -> str:
+def markdown(rows: list[dict], columns: list[str], cell=None) -> str:
+    cell = cell or (lambda r, c: _fmt(r.get(c)))
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
-        lines.append("| " + " | ".join(_fmt(r.get(c)).replace("|", "\\|").replace("\n", " ") for c in columns) + " |")
+        lines.append("| " + " | ".join(cell(r, c).replace("|", "\\|").replace("\n", " ") for c in columns) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -376,6 +428,16 @@ def write_report(sweep_dir: str | Path) -> dict[str, Path]:
         columns = columns + ["status"]
     out = {"md": sweep_dir / "report.md", "csv": sweep_dir / "report.csv", "png": sweep_dir / "report.png"}
     title = f"# report: {sweep_dir.name}\n\n{len(rows)} jobs; swept: {', '.join(swept) or 'nothing'}\n\n"
+    repeat = spec.get("repeat")
+    shown = rows
+    if repeat and repeat in swept:
+        shown = over_repeats(rows, swept, repeat)
+        summary_columns = [c for c in columns if c not in (repeat, "status", "job")] + ["repeats"]
+        n = len({json.dumps(r.get(repeat), default=str) for r in rows})
+        title += (f"## Over {n} repeats ({repeat}): the median, and the range in brackets\n\n"
+                  + markdown(shown, summary_columns, _fmt_spread) + "\n## Every job\n\n")
+        if repeat not in columns:
+            columns = columns[:1] + [repeat] + columns[1:]
     out["md"].write_text(title + markdown(rows, columns))
     all_cols = list(dict.fromkeys(k for r in rows for k in r))
     with out["csv"].open("w", newline="") as f:
@@ -383,7 +445,7 @@ def write_report(sweep_dir: str | Path) -> dict[str, Path]:
         w.writeheader()
         w.writerows({k: json.dumps(v) if isinstance(v, list) else v for k, v in r.items()} for r in rows)
     plots = spec.get("plots") or [{"y": "wall_s", "title": "wall time (s) per job"}]
-    plot(rows, plots, out["png"], swept)
+    plot(shown, plots, out["png"], [k for k in swept if k != repeat])
     return out
 
 

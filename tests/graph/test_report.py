@@ -358,3 +358,33 @@ def test_a_line_plot_over_a_numeric_column_places_points_at_their_values(tmp_pat
     out = write_report(d)
     assert out["png"].read_bytes()[:8] == PNG_MAGIC
     assert ([0.5, 1.0, 4.0], [0.8, 1.0, 1.5]) in drawn and ([2.0], [1.1]) in drawn and levels == [1.0]
+
+
+def test_repeats_pair_each_job_with_its_own_repeats_baseline_and_summarise_by_the_median(tmp_path):
+    """`repeat:`: a ratio to the baseline reads the baseline of the same repeat (the drift of a
+    machine between repeats cancels), and report.md adds one row per setting with the median over
+    the repeats and their range; a failed repeat is left out of the median and of the count."""
+    d = tmp_path / "sweep"
+    report = {"repeat": "bench.repeat",
+              "derived": {"decode_speedup": {"expr": "ar.ms / ms", "with": {"ar": {"method": "ar"}}}},
+              "columns": ["method", "ms", "decode_speedup"],
+              "plots": [{"x": "method", "y": "decode_speedup"},
+                        {"y": "summary.profile", "kind": "profile", "hue": "method"}]}
+    # the machine runs at half speed in repeat 1: every time doubles, the ratios stay
+    walls = {("ar", 0): 2.0, ("sd", 0): 1.0, ("ar", 1): 4.0, ("sd", 1): 2.0, ("ar", 2): 2.2, ("sd", 2): None}
+    for i, ((method, repeat), ms) in enumerate(walls.items()):
+        make_job(d, str(i), [f"bench.repeat={repeat}", f"+method={method}"],
+                 None if ms is None else {"ms": ms, "summary": {"profile": [ms, 2 * ms]}}, report,
+                 error=None if ms is not None else "RuntimeError: boom")
+    out = write_report(d)
+    rows = {(r["method"], r["bench.repeat"]): r for r in csv.DictReader(out["csv"].open())}
+    assert float(rows["sd", "0"]["decode_speedup"]) == float(rows["sd", "1"]["decode_speedup"]) == 2.0
+    text = out["md"].read_text()
+    summary = text.split("## Every job")[0]
+    assert "Over 3 repeats (bench.repeat)" in summary
+    assert "| ar | 2.2 (2–4) | 1 | 3 |" in summary           # the median and the range of ms
+    assert "| sd | 1.5 (1–2) | 2 | 2 |" in summary            # two ok repeats, both 2×: no range
+    jobs = text.split("## Every job")[1]
+    assert jobs.count("\n| ar |") == jobs.count("\n| sd |") == 3 and "failed: RuntimeError: boom" in jobs
+    assert "| method | bench.repeat | ms |" in jobs and "| sd | 1 | 2 | 2 |" in jobs     # each job's repeat
+    assert out["png"].read_bytes()[:8] == PNG_MAGIC
