@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -41,7 +42,8 @@ def step_bytes(lm, cache) -> dict:
 class StepCost(Stage):
     """model: the entry whose forwards are timed (its cache is `kv`'s: prefill it with the same
     model); shapes: 1, "k8", "tree30" ...; repeats: forwards per shape (the engine records each as
-    timer "k<k>" or "tree<n>", and the copy as "copy")."""
+    timer "k<k>" or "tree<n>", and the copy as "copy"), interleaved: each round runs every shape
+    and the copy once."""
 
     placement = "gpu"
     inputs = {"kv": In(PrefillResult)}
@@ -61,24 +63,28 @@ class StepCost(Stage):
         lm, layout = self.lm, kv.layout
         token = int(kv.logits.argmax())
         start = kv.logical_length
-        for kind, n in self.shapes:
-            ids = torch.full((n,), token)
-            name = f"k{n}" if kind == "chain" else f"tree{n}"
-            tree = (tree_mask(bushy_tree(n)), tree_depths(bushy_tree(n))) if kind == "tree" else None
-            for _ in range(self.repeats + 1):     # the first is a warm-up, untimed
-                with ctx.timer(name) if _ else contextlib.nullcontext():
-                    if tree is None:
-                        lm.score(kv.cache, ids, start, layout)
-                    else:
-                        lm.score_tree(kv.cache, ids, *tree, start, layout)
-                lm.drop_last(kv.cache, n)
         sizes = step_bytes(lm, kv.cache)
         total = sizes["weight_bytes"] + sizes["cache_bytes"]
         source = torch.ones(total // 4, device=lm.device)
         target = torch.empty_like(source)
-        for _ in range(self.repeats + 1):
-            with ctx.timer("copy") if _ else contextlib.nullcontext():
-                target.copy_(source)
+        forwards = []                                  # (timer name, the forward, how many to roll back)
+        for kind, n in self.shapes:
+            ids = torch.full((n,), token)
+            if kind == "chain":
+                forwards.append((f"k{n}", functools.partial(lm.score, kv.cache, ids, start, layout), n))
+            else:
+                parents = bushy_tree(n)
+                forwards.append((f"tree{n}", functools.partial(lm.score_tree, kv.cache, ids, tree_mask(parents),
+                                                               tree_depths(parents), start, layout), n))
+        forwards.append(("copy", functools.partial(target.copy_, source), 0))
+        # round by round, every shape once a round: the machine's speed drifts over seconds, and
+        # shapes timed in blocks one after another would carry the drift into their ratios
+        for r in range(self.repeats + 1):              # the first round is a warm-up, untimed
+            for name, forward, n in forwards:
+                with ctx.timer(name) if r else contextlib.nullcontext():
+                    forward()
+                if n:
+                    lm.drop_last(kv.cache, n)
         meta = {**sizes, "step_bytes": total, "copy_bytes": 2 * source.numel() * 4,    # read + write
                 "cache_entries": lm.cached_length(kv.cache), "lean": lm.lean is not None, "model": lm.name}
         return {"tokens": Tokens([], None, meta)}

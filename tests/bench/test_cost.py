@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.cost import parse_shape, step_bytes
 from graph.executor import Executor
 from models.load import load_model
 from models.registry import release_all
-from bench.cost import parse_shape, step_bytes
 from stages.types import Request
 from tests.helpers import make, node
 from tests.models.test_adapters import random_checkpoint
@@ -63,6 +63,8 @@ def test_step_cost_times_every_shape_and_leaves_the_cache_as_it_was(tmp_path):
         assert t1 >= t0
         counts[name] = counts.get(name, 0) + 1
     assert counts == {"k1": 3, "k4": 3, "tree6": 3, "copy": 3}          # the warm-ups are not timed
+    # interleaved, a round of every shape at a time: drift over the run falls on every shape alike
+    assert [name for name, _, _ in probe.parts] == ["k1", "k4", "tree6", "copy"] * 3
     meta = result.outputs["probe.tokens"].meta
     kv = result.outputs["prefill.kv"]
     assert meta["cache_entries"] == kv.layout.length                     # every forward rolled back
