@@ -281,7 +281,7 @@ def over_repeats(rows: list[dict], swept: list[str], key: str) -> list[dict]:
     out = []
     for members in groups.values():
         ok = [r for r in members if r["status"] == "ok"] or members
-        row = {k: v for k, v in members[0].items()}
+        row = dict(members[0])
         row.update({key: None, "repeats": sum(r["status"] == "ok" for r in members),
                     "status": "ok" if any(r["status"] == "ok" for r in members) else members[0]["status"]})
         for col in dict.fromkeys(c for r in ok for c in r):
