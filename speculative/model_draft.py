@@ -23,6 +23,11 @@ drafts `start_window` tokens.
 softmax of its logits when greedy, q when sampling). A draft agrees with the target on easy tokens
 and misses the content ones; a token it doubts is the likely rejection, and drafting past it is
 mostly wasted.
+
+`chain` (models.draft_chain.DraftChain, greedy only): a round of the chain's length drafted in one
+compiled call instead of a forward a token; the pre-verify round, the first round (whose first
+token comes from the prefill) and a short last round still go token by token. `confidence` then
+cuts the round after its first doubtful token and drops the rest from the cache.
 """
 
 from __future__ import annotations
@@ -55,8 +60,12 @@ class ModelDrafter:
 
     def __init__(self, lm, cache, start: int, layout, logits: torch.Tensor, *, window: int | str, sampling: Sampling,
                  vocab: int, max_new_tokens: int, generator: torch.Generator | None = None, start_window: int = 4,
-                 max_window: int = 16, pre_verify: bool = False, confidence: float = 0.0, info: DraftInfo | None = None):
+                 max_window: int = 16, pre_verify: bool = False, confidence: float = 0.0, info: DraftInfo | None = None,
+                 chain=None):
+        if chain is not None and (window == "auto" or not sampling.greedy or chain.vocab != vocab):
+            raise ValueError("a draft chain drafts a fixed window greedily over the shared vocabulary")
         self.lm, self.cache, self.start, self.layout, self.logits = lm, cache, start, layout, logits
+        self.chain = chain
         self.auto = window == "auto"
         self.window = start_window if self.auto else window
         self.max_window, self.sampling, self.vocab, self.generator = max_window, sampling, vocab, generator
@@ -118,6 +127,8 @@ class ModelDrafter:
         """Up to `min(k, budget)` tokens after `sequence`, one forward each."""
         k = min(k, self.max_new_tokens - len(self.sequence))
         pending = torch.tensor(self.sequence[self.in_cache:], dtype=torch.long)
+        if self.chain is not None and k == self.chain.steps and pending.shape[0]:
+            return self._draft_chained(pending, timer), []
         tokens, probs = [], []
         for _ in range(k):
             with timer("draft_token") as step:
@@ -136,3 +147,21 @@ class ModelDrafter:
                 break
             pending = torch.tensor([token])
         return tokens, probs
+
+    def _draft_chained(self, pending: torch.Tensor, timer: Timer) -> list[int]:
+        """A greedy round of `chain.steps` tokens after `pending` [P], in one compiled call."""
+        k, fed = self.chain.steps, pending.shape[0] + self.chain.steps - 1
+        with timer("draft_chain") as spent:
+            positions = self.layout.decode_positions(self.start + self.in_cache, fed)[0]
+            drafted, logits = self.chain.run(self.cache, pending, positions)
+            tokens = drafted.tolist()
+        self.in_cache += fed
+        self.tq = [self.tq[0] + spent.seconds, self.tq[1] + k]
+        if self.confidence:
+            doubtful = torch.softmax(logits, -1).gather(1, drafted[:, None])[:, 0] < self.confidence    # [k]
+            if bool(doubtful.any()):
+                cut = int(doubtful.nonzero()[0]) + 1         # keep the doubtful token, draft nothing past it
+                self.lm.drop_last(self.cache, k - cut)
+                self.in_cache -= k - cut
+                tokens = tokens[:cut]
+        return tokens

@@ -40,7 +40,9 @@ class ModelDraft(Stage):
     draft's); max_new_tokens: no round drafts past it; target: the target's entry, whose tokenizer
     must be the draft's (checked at setup: a clear error otherwise); pre_verify: one-token rounds
     after each rollback (for a draft that runs ahead, prime 2); confidence: a round ends after a
-    token the draft gives less than this probability (0: always `window`)."""
+    token the draft gives less than this probability (0: always `window`); chain: draft a greedy
+    round of a fixed window in one compiled call (models.draft_chain) when the draft's steps are
+    compiled with inductor (model.draft.compile); false: a forward a token, as without compile."""
 
     placement = "gpu"
     inputs = {"kv": In(PrefillResult), "verdict": In(Verdict, stream=True)}
@@ -48,7 +50,8 @@ class ModelDraft(Stage):
 
     def __init__(self, model: dict, window: int | str = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, vocab: int = 0, max_new_tokens: int = 256, target: dict | None = None,
-                 start_window: int = 4, max_window: int = 16, pre_verify: bool = False, confidence: float = 0.0):
+                 start_window: int = 4, max_window: int = 16, pre_verify: bool = False, confidence: float = 0.0,
+                 chain: bool = True):
         if window != "auto" and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ValueError(f"window must be an integer ≥ 1 or 'auto', got {window!r}")
         if not 1 <= start_window <= max_window:
@@ -60,7 +63,8 @@ class ModelDraft(Stage):
         self.sampling, self.seed, self.vocab = Sampling(temperature, top_k, top_p), seed, vocab
         self.target = dict(target) if target else None
         self.pre_verify, self.confidence = bool(pre_verify), float(confidence)
-        self.lm = None
+        self.use_chain = bool(chain)
+        self.lm = self.chain = None
 
     def setup(self, ctx) -> None:
         self.lm = get_model(self.model, ctx.device)
@@ -69,7 +73,22 @@ class ModelDraft(Stage):
 
             shared = shared_vocabulary(tokenizer_of(self.target["path"], self.target.get("name")), self.lm)
             self.vocab = min(self.vocab, shared) if self.vocab else shared
+        self.chain = self._chain()
         self.start_run(ctx)
+
+    def _chain(self):
+        """The compiled greedy round (models.draft_chain), warmed now, where it applies: a fixed
+        window, greedy, the draft's steps compiled by inductor (not captured, not eager)."""
+        from models.compiled_step import MODES
+        from models.draft_chain import DraftChain
+
+        mode = getattr(self.lm, "compile", "off")
+        if not (self.use_chain and self.window != "auto" and self.sampling.greedy and self.lm.lean is not None
+                and mode in MODES and mode != "off"):
+            return None
+        chain = DraftChain(self.lm, self.window, self.vocab or self.lm.vocabulary, mode)
+        chain.warm()
+        return chain
 
     def start_run(self, ctx) -> None:
         self.drafter: ModelDrafter | None = None
@@ -80,7 +99,8 @@ class ModelDraft(Stage):
                             sampling=self.sampling, vocab=self.vocab or self.lm.vocabulary,
                             max_new_tokens=self.max_new_tokens, generator=torch.Generator().manual_seed(self.seed + 2),
                             start_window=self.start_window, max_window=self.max_window, pre_verify=self.pre_verify,
-                            confidence=self.confidence, info=DraftInfo(self.lm.name, kv.prefill, self.window))
+                            confidence=self.confidence, info=DraftInfo(self.lm.name, kv.prefill, self.window),
+                            chain=self.chain)
 
     def __call__(self, ctx, kv: PrefillResult, verdict: Verdict | None):
         return draft_round(self, ctx, kv, verdict)
