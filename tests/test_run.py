@@ -282,13 +282,16 @@ def test_every_speculative_bench_case_composes_and_validates(case):
 def test_speculative_methods_give_the_autoregressive_answer_on_the_sample(tmp_path):
     """The README's speculative commands on the bundled video: the toy pair, greedy, the same
     tokens as `python -m run`, with the speculative metrics in metrics.json."""
-    ar = run(f"hydra.run.dir={tmp_path / 'ar'}")
-    assert ar.returncode == 0, ar.stderr
-    expected = json.loads((tmp_path / "ar" / "metrics.json").read_text())["output_ids"]
-    for name in ("vanilla_sd", "parallelvlm", "specvlm", "parallelvlm_self", "fastv_verified"):
-        out = run(f"+experiment={name}", f"hydra.run.dir={tmp_path / name}")
-        assert out.returncode == 0, out.stderr
-        metrics = json.loads((tmp_path / name / "metrics.json").read_text())
+    names = ("vanilla_sd", "parallelvlm", "specvlm", "parallelvlm_self", "fastv_verified")
+    # one sweep, one process: the same configs as the single commands, without six interpreter starts
+    out = run("-m", f"+experiment=ar,{','.join(names)}", f"hydra.sweep.dir={tmp_path}")
+    assert out.returncode == 0, out.stderr
+    ar = json.loads((tmp_path / "0" / "metrics.json").read_text())
+    assert ar["experiment"] == "ar"
+    expected = ar["output_ids"]
+    for job, name in enumerate(names, start=1):
+        metrics = json.loads((tmp_path / str(job) / "metrics.json").read_text())
+        assert metrics["experiment"] == name
         assert metrics["output_ids"] == expected, name
         meta = metrics["tokens_meta"]
         assert meta["rounds"] > 0 and 1 <= meta["mean_accepted_length"] <= meta["window_setting"] + 1

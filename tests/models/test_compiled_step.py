@@ -104,9 +104,9 @@ def test_auto_measures_once_then_reads_its_choice(tmp_path, monkeypatch):
     from models import compile_auto
 
     monkeypatch.setenv("REELFLOW_CACHE", str(tmp_path))
-    lm = load_model(TARGET, compile="auto")
+    lm = load_model(DRAFT, compile="auto")          # the small model of the pair: its compile is the short one
     (key, choice), = json.loads((tmp_path / compile_auto.CHOICES_FILE).read_text()).items()
-    assert "qwen-target" in key and set(choice["ms"]) == {"off", "default"}
+    assert "qwen-draft" in key and set(choice["ms"]) == {"off", "default"}
     assert lm.compile == choice["mode"] == min(choice["ms"], key=choice["ms"].get)
     assert (lm.lean.step is None) == (lm.compile == "off")
 
@@ -114,4 +114,4 @@ def test_auto_measures_once_then_reads_its_choice(tmp_path, monkeypatch):
         raise AssertionError("auto measured a second time")
 
     monkeypatch.setattr(compile_auto, "measure_modes", measured_again)
-    assert load_model(TARGET, compile="auto").compile == choice["mode"]
+    assert load_model(DRAFT, compile="auto").compile == choice["mode"]

@@ -8,6 +8,8 @@ the compiled step's own tests use. Keys and values (size ~1): 1e-5."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -111,3 +113,24 @@ def test_speculative_decoding_through_the_chain_is_the_targets_greedy_answer(cha
     else:
         assert drafter.tq[1] >= STEPS * len(calls)
     assert compiled.cached_length(d_cache) == d_layout.length + drafter.in_cache
+
+
+def test_the_draft_stage_chains_only_what_a_chain_can_draft(monkeypatch):
+    """The ModelDraft stage builds (and warms) a chain for a compiled draft drafting a fixed window
+    greedily, and none for sampling, `window: auto`, `chain: false` or an eager draft. (The warm-up
+    is recorded, not run: the compile itself is the fixture's above.)"""
+    from stages.draft import ModelDraft
+
+    warmed = []
+    monkeypatch.setattr(DraftChain, "warm", lambda self: warmed.append(self.steps))
+    compiled = {"path": DRAFT, "compile": "default"}
+    cpu = SimpleNamespace(device="cpu")
+    stage = ModelDraft(compiled, window=STEPS)
+    stage.setup(cpu)
+    assert isinstance(stage.chain, DraftChain) and stage.chain.steps == STEPS and warmed == [STEPS]
+    for model, settings in [(compiled, {"window": "auto"}), (compiled, {"temperature": 1.0}),
+                            (compiled, {"chain": False}), ({"path": DRAFT}, {})]:
+        stage = ModelDraft(model, **{"window": STEPS, **settings})
+        stage.setup(cpu)
+        assert stage.chain is None, settings
+    assert warmed == [STEPS]
