@@ -124,7 +124,8 @@ class ModelDrafter:
         self.in_cache = keep
 
     def _draft(self, k: int, timer: Timer) -> tuple[list[int], list[torch.Tensor]]:
-        """Up to `min(k, budget)` tokens after `sequence`, one forward each."""
+        """Up to `min(k, budget)` tokens after `sequence`: one forward each, or one chain call for a
+        round of the chain's length after at least one pending token."""
         k = min(k, self.max_new_tokens - len(self.sequence))
         pending = torch.tensor(self.sequence[self.in_cache:], dtype=torch.long)
         if self.chain is not None and k == self.chain.steps and pending.shape[0]:
