@@ -110,8 +110,8 @@ def test_speculative_decoding_through_the_chain_is_the_targets_greedy_answer(cha
     stats = verifier.rounds.stats()
     if confidence:
         assert sum(stats.drafted) < STEPS * stats.rounds, "confidence cut no chained round short"
-    else:
-        assert drafter.tq[1] >= STEPS * len(calls)
+    else:         # every chained round drafted its whole length
+        assert sum(d == STEPS for d in stats.drafted) >= len(calls)
     assert compiled.cached_length(d_cache) == d_layout.length + drafter.in_cache
 
 
