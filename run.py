@@ -35,6 +35,7 @@ def main(cfg: DictConfig) -> float | None:
     from stages.source import load_requests
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    _check_openmp(cfg)
     if cfg.get("train"):      # +experiment=train_toy | train_sparrow | train_draft: training, not a graph
         import json
 
@@ -74,6 +75,18 @@ def main(cfg: DictConfig) -> float | None:
     log.info("wall %.3f s (ideal overlapped %.3f s); outputs in %s",
              metrics["wall_s"], metrics["ideal_wall_s"], run_dir)
     return metrics["wall_s"]
+
+
+def _check_openmp(cfg: DictConfig) -> None:
+    """`executor.openmp` takes effect from the command line only (the preload happens before the
+    config is composed); say so when a config file asked for a runtime this process does not run."""
+    from job.openmp import runtime_in_use
+
+    wanted = (cfg.get("executor") or {}).get("openmp", "auto")
+    running = runtime_in_use()
+    if wanted in ("intel", "gnu") and running not in (wanted, "unknown"):
+        log.warning("executor.openmp=%s, but this process runs %s's OpenMP runtime: the setting is read from "
+                    "the command line when the process starts, not from a config file", wanted, running)
 
 
 def _evaluate(cfg: DictConfig, run_dir: Path) -> float:
@@ -119,6 +132,19 @@ def check_train_keys(argv: list[str]) -> None:
         sys.exit(2)
 
 
+def start_openmp_runtime(argv: list[str]) -> None:
+    """Re-execute under Intel's OpenMP runtime when `executor.openmp` asks for it (job/openmp.py);
+    before Hydra and torch load, since a preload only works from a process's start."""
+    from job.openmp import OpenMPChoiceError, reexecute_if_needed
+
+    try:
+        reexecute_if_needed(argv)
+    except OpenMPChoiceError as e:
+        print(f"reelflow: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 if __name__ == "__main__":
+    start_openmp_runtime(sys.argv[1:])
     check_train_keys(sys.argv[1:])
     main()

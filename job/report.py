@@ -21,6 +21,7 @@ from graph.metrics import ideal_wall_s, mean_tree, peak_memory, resource_busy, s
 from graph.schedule import Plan
 from graph.spec import GraphSpec
 from graph.trace import chrome_trace, plot_timeline, write_trace
+from job.openmp import runtime_in_use
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ def write_metrics(cfg: DictConfig, run_dir: Path, plan: Plan, per_run: list[dict
         "model": {role: _model_name(model.get(role)) for role in ("target", "draft")},
         "video": m0.get("video"),
         "runner": plan.runner,
+        "openmp": runtime_in_use(),      # the CPU kernels' OpenMP runtime (job/openmp.py)
         "setup_s": round(setup_s, 6),
         # null where the compiles happened in other processes (Ray workers), which this one cannot see
         "compile": None if compiles is None else {"seconds": round(sum(c["seconds"] for c in compiles), 3),

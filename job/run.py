@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from graph.executor import Executor, RunResult
+from job.openmp import runtime_in_use
 from job.prepare import graph_ports, prepare
 from job.report import run_metrics, write_metrics, write_trace_files
 from models.compiling import compile_records
@@ -28,8 +29,9 @@ def run_job(cfg: DictConfig, requests: list[Any], run_dir: Path) -> dict[str, An
     run_dir = Path(run_dir)
     started = time.time()
     spec, plan = prepare(cfg)
-    (run_dir / "plan.txt").write_text(plan.to_text())
-    log.info("plan:\n%s", plan.to_text())
+    plan_text = f"{plan.to_text()}\nOpenMP runtime: {runtime_in_use()}\n"
+    (run_dir / "plan.txt").write_text(plan_text)
+    log.info("plan:\n%s", plan_text)
     cluster = cfg.get("cluster") or {}
     if cluster.get("kind", "local") == "ray":
         from job.ray_pool import run_on_ray

@@ -1,0 +1,92 @@
+"""Which OpenMP runtime torch's CPU kernels use, and starting `python -m run` under Intel's.
+
+Why it matters: the engine runs each model in a worker thread of its own, and torch's Linux wheels
+use GNU's runtime (libgomp), which on two cores made every model step in a worker thread about
+1.5x slower than the same step on the main thread (docs/results/2026-11-27-draft-chain.md). Intel's
+runtime (the PyPI package `intel-openmp`, libiomp5.so) implements libgomp's entry points too, so
+with it preloaded torch's parallel regions run on it instead. A preload must be in place when the
+process starts, so the command line re-executes itself once with LD_PRELOAD set
+(`executor.openmp`: auto uses Intel's runtime where it is installed, `intel` requires it, `gnu`
+keeps torch's own). A library user starts Python the same way: `LD_PRELOAD=$(python -m job.openmp)`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+
+CHOICES = ("auto", "intel", "gnu")
+_KEY = "executor.openmp="
+_REEXECUTED = "REELFLOW_OPENMP_REEXECUTED"    # set in the re-executed process: never loop
+
+
+class OpenMPChoiceError(ValueError):
+    """A bad `executor.openmp` value, or `intel` where Intel's runtime is not installed."""
+
+
+def intel_library() -> Path | None:
+    """libiomp5.so from the `intel-openmp` package of this Python environment, if it is installed."""
+    try:
+        files = metadata.files("intel-openmp") or []
+    except metadata.PackageNotFoundError:
+        return None
+    found = (Path(f.locate()) for f in files if f.name == "libiomp5.so")
+    return next((p.resolve() for p in found if p.exists()), None)
+
+
+def runtime_in_use() -> str:
+    """'intel' when libiomp5 is mapped into this process, else 'gnu' on Linux (torch's own
+    runtime), 'unknown' where /proc is not there to tell."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    return "intel" if "libiomp5" in maps else "gnu"
+
+
+def requested(argv: list[str]) -> str:
+    """The `executor.openmp=` override of a command line (the last one wins), else 'auto'."""
+    values = [arg[len(_KEY):] for arg in argv if arg.startswith(_KEY)]
+    choice = values[-1] if values else "auto"
+    if choice not in CHOICES:
+        raise OpenMPChoiceError(f"executor.openmp={choice!r}: choose one of {', '.join(CHOICES)}")
+    return choice
+
+
+def preload_environment(choice: str, env: dict[str, str], library: Path | None) -> dict[str, str] | None:
+    """The environment to re-execute the process with so that `library` is preloaded, or None when
+    nothing needs doing: `gnu`, not Linux, already preloaded, already re-executed once, or (for
+    `auto`) Intel's runtime not installed. Pure: the caller passes what it found."""
+    if choice == "gnu" or not sys.platform.startswith("linux"):
+        return None
+    if library is None:
+        if choice == "intel":
+            raise OpenMPChoiceError("executor.openmp=intel needs Intel's OpenMP runtime in this environment: "
+                                    "pip install intel-openmp (or executor.openmp=gnu for torch's own)")
+        return None
+    preloaded = env.get("LD_PRELOAD", "")
+    if env.get(_REEXECUTED) or "libiomp5" in preloaded:
+        return None
+    out = dict(env)
+    out["LD_PRELOAD"] = f"{library}:{preloaded}" if preloaded else str(library)
+    out[_REEXECUTED] = "1"
+    return out
+
+
+def reexecute_if_needed(argv: list[str]) -> None:
+    """Start this command again under Intel's runtime when `executor.openmp` asks for it (nothing
+    returns from a re-execution). Called before torch is imported."""
+    env = preload_environment(requested(argv), dict(os.environ), intel_library())
+    if env is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, sys.orig_argv, env)
+
+
+if __name__ == "__main__":     # python -m job.openmp: the path to preload, for starting a script yourself
+    library = intel_library()
+    if library is None:
+        sys.exit("Intel's OpenMP runtime is not installed here: pip install intel-openmp")
+    print(library)

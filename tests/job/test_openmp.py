@@ -1,0 +1,55 @@
+"""The OpenMP runtime choice: which environment a re-execution gets, and `python -m run` really
+running under the runtime it was asked for, with the same answer under both."""
+
+import json
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+
+from job.openmp import OpenMPChoiceError, intel_library, preload_environment, requested, runtime_in_use
+from tests.test_run import run
+
+LIB = Path("/opt/intel/libiomp5.so")
+LINUX_X86 = sys.platform.startswith("linux") and platform.machine() == "x86_64"
+
+
+def test_the_last_command_line_choice_wins_and_auto_is_the_default():
+    assert requested(["+experiment=ar"]) == "auto"
+    assert requested(["executor.openmp=gnu", "x=1", "executor.openmp=intel"]) == "intel"
+    with pytest.raises(OpenMPChoiceError, match="choose one of auto, intel, gnu"):
+        requested(["executor.openmp=iomp"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a preload is a Linux (ld.so) mechanism")
+def test_a_preload_is_added_once_and_keeps_what_was_preloaded():
+    env = preload_environment("auto", {"PATH": "/bin", "LD_PRELOAD": "/x/libjemalloc.so"}, LIB)
+    assert env["LD_PRELOAD"] == f"{LIB}:/x/libjemalloc.so" and env["PATH"] == "/bin"
+    assert preload_environment("auto", env, LIB) is None               # the re-executed process: no loop
+    assert preload_environment("intel", {"LD_PRELOAD": str(LIB)}, LIB) is None   # preloaded by hand
+    assert preload_environment("gnu", {}, LIB) is None
+    assert preload_environment("auto", {}, None) is None                # not installed: torch's own runtime
+    with pytest.raises(OpenMPChoiceError, match="pip install intel-openmp"):
+        preload_environment("intel", {}, None)
+
+
+@pytest.mark.skipif(not LINUX_X86, reason="intel-openmp ships for Linux on x86-64 only")
+def test_run_answers_the_same_under_either_runtime(tmp_path):
+    assert intel_library() is not None, "intel-openmp is a dependency on Linux x86-64: is the install complete?"
+    assert runtime_in_use() == "gnu"       # pytest itself was started without a preload
+    answers = {}
+    for choice in ("intel", "gnu"):
+        out = run(f"executor.openmp={choice}", f"hydra.run.dir={tmp_path / choice}")
+        assert out.returncode == 0, out.stderr
+        metrics = json.loads((tmp_path / choice / "metrics.json").read_text())
+        assert metrics["openmp"] == choice
+        assert f"OpenMP runtime: {choice}" in (tmp_path / choice / "plan.txt").read_text()
+        answers[choice] = metrics["output_ids"]
+    assert answers["intel"] == answers["gnu"] and len(answers["gnu"]) > 0
+
+
+def test_a_bad_choice_is_one_message_and_status_2(tmp_path):
+    out = run("executor.openmp=iomp", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 2
+    assert "executor.openmp='iomp': choose one of auto, intel, gnu" in out.stderr and "Traceback" not in out.stderr
