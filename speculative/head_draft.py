@@ -99,14 +99,77 @@ def tree_grower(head: SparrowHead, lm):
     return grower(uncaptured_mode(lm.compile), lm.device)
 
 
+def catch_up_rows(head: SparrowHead, lm, keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor,
+                  features: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A round's catch-up as a pure function: the head over fuse(embed(ids), features) (ids [m],
+    features [m, hidden]) at text positions position.. after its cache keys, values [KV, L, hd],
+    causal among the m rows. -> (outputs [m, hidden], the rows' keys and values [KV, m, hd]); the
+    caller appends them to the cache. Nothing written: what torch.compile takes whole."""
+    c, m = head.config, ids.shape[0]
+    z = head.fuse(lm.embed(ids), features)
+    none = keys.new_zeros(c.kv_heads, 0, c.head_dim)
+    causal = torch.ones(m, m, dtype=torch.bool, device=keys.device).tril()
+    return head.rows(z, position + torch.arange(m, device=keys.device), keys, values, none, none, causal)
+
+
+_COMPILED_STEPS: dict[tuple, object] = {}   # (mode, device type) -> catch_up_rows compiled, at its warmed counts
+
+
+class CompiledHeadStep:
+    """The head's catch-up through catch_up_rows compiled (dynamic shapes: one compile serves every
+    row count above one and every cache length), called like CapturedHeadStep."""
+
+    def __init__(self, head: SparrowHead, lm, mode: str):
+        key = (mode, torch.device(lm.device).type)
+        if key not in _COMPILED_STEPS:
+            compiled = torch.compile(private_copy(catch_up_rows), dynamic=True,
+                                     mode=None if mode == "default" else mode)
+            _COMPILED_STEPS[key] = functools.partial(call_at_warmed_threads, compiled, thread_counts(lm.device))
+        self.head, self.lm, self.mode, self.run = head, lm, mode, _COMPILED_STEPS[key]
+
+    @torch.inference_mode()
+    def __call__(self, cache: HeadCache, ids: torch.Tensor, features: torch.Tensor, position: int) -> torch.Tensor:
+        out, k, v = self.run(self.head, self.lm, cache.keys, cache.values, ids, features.to(self.lm.dtype), position)
+        cache.keys, cache.values = torch.cat([cache.keys, k], 1), torch.cat([cache.values, v], 1)
+        return out
+
+    @torch.inference_mode()
+    def warm(self, *, rows: int) -> float:
+        """Compile now for 1..rows rows at every thread count the compiled function is called at,
+        over a dummy cache longer than any row count (equal sizes would be traced as one symbol and
+        recompile later). Returns the seconds."""
+        c, weight = self.head.config, self.head.fc.weight
+        t0, now = time.perf_counter(), torch.get_num_threads()
+        try:
+            for threads in self.run.args[1]:
+                set_threads(threads)
+                for m in range(1, rows + 1):
+                    cache = HeadCache(*(torch.zeros(c.kv_heads, rows + 2, c.head_dim, device=weight.device,
+                                                    dtype=weight.dtype) for _ in range(2)))
+                    self(cache, torch.zeros(m, dtype=torch.long, device=weight.device),
+                         torch.zeros(m, c.hidden, device=weight.device, dtype=weight.dtype), rows + 2)
+        finally:
+            set_threads(now)
+        seconds = time.perf_counter() - t0
+        record_compile(f"sparrow head step, 1-{rows} rows, {'/'.join(map(str, self.run.args[1]))} threads",
+                       self.mode, seconds)
+        return seconds
+
+
 def head_stepper(head: SparrowHead, lm):
-    """The head's catch-up step as a CUDA graph (speculative.captured_head.CapturedHeadStep) when
-    captures_head(lm); None: the eager head."""
+    """The head's catch-up step: a CUDA graph (speculative.captured_head.CapturedHeadStep) when
+    captures_head(lm); compiled (CompiledHeadStep) when lm's steps are; None: the eager head."""
     if captures_head(lm):
         from speculative.captured_head import CapturedHeadStep
 
         return _captured(head, lm, CapturedHeadStep)
-    return None
+    mode = uncaptured_mode(lm.compile)
+    if mode == "off":
+        return None
+    made = head.__dict__.setdefault("_compiled_step", {})
+    if (mode, id(lm)) not in made:
+        made[mode, id(lm)] = CompiledHeadStep(head, lm, mode)
+    return made[mode, id(lm)]
 
 
 @torch.inference_mode()
@@ -131,7 +194,7 @@ def warm_tree(head: SparrowHead, lm, *, total: int, depth: int, topk: int) -> fl
         set_threads(now)
     seconds = time.perf_counter() - t0
     record_compile(f"sparrow tree {total}-{depth}-{topk}, {'/'.join(map(str, counts))} threads", lm.compile, seconds)
-    return seconds
+    return seconds + head_stepper(head, lm).warm(rows=depth + 1)     # a round accepts ≤ depth tokens, + 1
 
 
 def draft_chain(head: SparrowHead, lm, cache: HeadCache, top: torch.Tensor, position: int, *, depth: int,

@@ -17,7 +17,7 @@ import torch
 from models.load import load_model
 from models.sparrow import HeadCache, SparrowHead
 from speculative.expansion import grow_tree
-from speculative.head_draft import draft_tree, grower
+from speculative.head_draft import CompiledHeadStep, draft_tree, grower
 
 
 def eagle2_node_by_node(head, lm, cache, top, position, *, total, depth, topk, vocab):
@@ -117,3 +117,27 @@ def check_against_reference(head_and_target, shape, seed, grow, length=20):
     assert tokens.tolist() == want_tokens and parents.tolist() == want_parents
     assert facts == {"nodes": len(want_tokens), "depth": want_depth}
 
+
+
+@torch.inference_mode()
+def test_the_compiled_catch_up_is_the_heads_forward_without_recompiling(head_and_target):
+    """A round's catch-up compiled (CompiledHeadStep, what compiled targets use) gives the head's
+    cached forward's outputs and cache for 1..7 rows over caches of any length, after one warm-up.
+    Tolerance: the two compute attention in another order (split and merged by log-sum-exp against
+    one softmax over the whole cache), float32 rounding of a one-layer head: ~1e-6 relative."""
+    head, lm = head_and_target
+    step = CompiledHeadStep(head, lm, "default")
+    step.warm(rows=7)
+    torch.manual_seed(0)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for length, rows in [(9, 1), (20, 3), (33, 7), (57, 2), (58, 5)]:
+            eager, compiled = HeadCache.empty(head), HeadCache.empty(head)
+            prefix = torch.randn(length, lm.hidden_size)
+            head(eager, prefix, torch.arange(length))
+            head(compiled, prefix, torch.arange(length))
+            ids, features = torch.randint(0, 64, (rows,)), torch.randn(rows, lm.hidden_size)
+            want = head(eager, head.fuse(lm.embed(ids), features), torch.arange(length, length + rows))
+            got = step(compiled, ids, features, length)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(compiled.keys, eager.keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(compiled.values, eager.values, rtol=1e-5, atol=1e-5)
