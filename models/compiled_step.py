@@ -24,11 +24,9 @@ compile); inductor's on-disk cache spares later processes most of the compile ti
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-from models.compiling import call_at_warmed_threads, private_copy, record_compile, set_threads, thread_counts
+from models.compiling import call_at_warmed_threads, private_copy, thread_counts, warm_at_thread_counts
 
 MODES = ("off", "default", "max-autotune-no-cudagraphs")   # model.<role>.compile, besides "auto" and the captured
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -99,23 +97,19 @@ class CompiledStep:
     def warm(self, device, dtype, name: str = "step") -> float:
         """Compile now what a run calls (a one-token step; several tokens, one compile for every
         count above one) over a dummy prefix, so that no request pays for it. Returns the seconds."""
-        lean, t0 = self.lean, time.perf_counter()
-        self.threads, now = thread_counts(device), torch.get_num_threads()
+        lean = self.lean
+        self.threads = thread_counts(device)
         hidden = lean.layers[0].q.shape[1]
         # laid out as the cache's are (models.cache: views of buffers with spare room), or the
         # first request would recompile on the prefix's strides
         prefix_k, prefix_v = ([torch.zeros(1, lean.n_kv_heads, 8, lean.head_dim, device=device, dtype=dtype)[0, :, :3]
                                for _ in lean.layers] for _ in range(2))
-        try:
-            for threads in self.threads:
-                set_threads(threads)
-                for n in (1, 2):
-                    self._fn(lean, torch.zeros(n, hidden, device=device, dtype=dtype),
-                             torch.ones(n, lean.head_dim, device=device, dtype=dtype),
-                             torch.zeros(n, lean.head_dim, device=device, dtype=dtype), prefix_k, prefix_v,
-                             torch.ones(n, n, dtype=torch.bool, device=device).tril())
-        finally:
-            set_threads(now)
-        seconds = time.perf_counter() - t0
-        record_compile(f"{name} lean step, {'/'.join(map(str, self.threads))} threads", self.mode, seconds)
-        return seconds
+
+        def one_and_several_tokens():
+            for n in (1, 2):
+                self._fn(lean, torch.zeros(n, hidden, device=device, dtype=dtype),
+                         torch.ones(n, lean.head_dim, device=device, dtype=dtype),
+                         torch.zeros(n, lean.head_dim, device=device, dtype=dtype), prefix_k, prefix_v,
+                         torch.ones(n, n, dtype=torch.bool, device=device).tril())
+
+        return warm_at_thread_counts(self.threads, one_and_several_tokens, f"{name} lean step", self.mode)

@@ -72,6 +72,22 @@ def thread_counts(device) -> tuple[int, ...]:
     return tuple(sorted({now, cores}))
 
 
+def warm_at_thread_counts(counts: tuple[int, ...], warm_once, what: str, mode: str) -> float:
+    """Call warm_once() at each of `counts` torch threads (compiling what it calls for each count),
+    put the thread count back, and record the compile as `what` (plan.txt, metrics.json). Returns
+    the seconds it took."""
+    t0, now = time.perf_counter(), torch.get_num_threads()
+    try:
+        for threads in counts:
+            set_threads(threads)
+            warm_once()
+    finally:
+        set_threads(now)
+    seconds = time.perf_counter() - t0
+    record_compile(f"{what}, {'/'.join(map(str, counts))} threads", mode, seconds)
+    return seconds
+
+
 def call_at_warmed_threads(fn, counts: tuple[int, ...], *args, **kwargs):
     """fn(*args, **kwargs) at the largest warmed thread count not above the current one (the
     smallest when all are above), so that a compiled function is never compiled again mid-run."""

@@ -28,13 +28,11 @@ compiles (torch specialises a dimension of size 1). `steps` is fixed per chain.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
 from models.compiled_step import MODES, split_attention
-from models.compiling import call_at_warmed_threads, private_copy, record_compile, set_threads, thread_counts
+from models.compiling import call_at_warmed_threads, private_copy, thread_counts, warm_at_thread_counts
 
 
 def greedy_chain(lean, embed: torch.Tensor, head: torch.Tensor, head_bias: torch.Tensor | None, pending: torch.Tensor,
@@ -118,25 +116,21 @@ class DraftChain:
     def warm(self) -> float:
         """Compile now what a run calls (P = 1 and P = 2, at each thread count a pool gives the
         draft) over a dummy prefix, so that no request pays for it. Returns the seconds."""
-        lm, lean, t0 = self.lm, self.lm.lean, time.perf_counter()
-        self.threads, now = thread_counts(lm.device), torch.get_num_threads()
+        lm, lean = self.lm, self.lm.lean
+        self.threads = thread_counts(lm.device)
         # laid out as the cache's are (models.cache: views of buffers with spare room), or the
         # first request would compile again on the prefix's strides; a prefix length unlike the
         # fed counts (P + steps - 1 for P = 1, 2), which torch would otherwise assume equal to it
         held = self.steps + 2
         prefix_k, prefix_v = ([torch.zeros(1, lean.n_kv_heads, held + 5, lean.head_dim, device=lm.device,
                                            dtype=lm.dtype)[0, :, :held] for _ in lean.layers] for _ in range(2))
-        try:
-            for threads in self.threads:
-                set_threads(threads)
-                for p in (1, 2):
-                    cos, sin = lean._rotary(torch.arange(p + self.steps - 1), lean.final_norm)
-                    self._fn(lm.lean, lm.text.embed_tokens.weight, lm.lm_head.weight, lm.lm_head.bias,
-                             torch.zeros(p, dtype=torch.long, device=lm.device), cos, sin, prefix_k, prefix_v,
-                             self.steps, self.vocab)
-        finally:
-            set_threads(now)
-        seconds = time.perf_counter() - t0
-        record_compile(f"{lm.name} draft chain of {self.steps}, {'/'.join(map(str, self.threads))} threads",
-                       self.mode, seconds)
-        return seconds
+
+        def one_and_two_pending():
+            for p in (1, 2):
+                cos, sin = lean._rotary(torch.arange(p + self.steps - 1), lean.final_norm)
+                self._fn(lm.lean, lm.text.embed_tokens.weight, lm.lm_head.weight, lm.lm_head.bias,
+                         torch.zeros(p, dtype=torch.long, device=lm.device), cos, sin, prefix_k, prefix_v,
+                         self.steps, self.vocab)
+
+        return warm_at_thread_counts(self.threads, one_and_two_pending, f"{lm.name} draft chain of {self.steps}",
+                                     self.mode)

@@ -20,16 +20,14 @@ A round:
 from __future__ import annotations
 
 import functools
-import time
 
 import torch
 
 from models.compiling import (
     call_at_warmed_threads,
     private_copy,
-    record_compile,
-    set_threads,
     thread_counts,
+    warm_at_thread_counts,
 )
 from models.sparrow import HeadCache, SparrowHead
 from models.steps import CAPTURED, uncaptured_mode
@@ -139,21 +137,15 @@ class CompiledHeadStep:
         over a dummy cache longer than any row count (equal sizes would be traced as one symbol and
         recompile later). Returns the seconds."""
         c, weight = self.head.config, self.head.fc.weight
-        t0, now = time.perf_counter(), torch.get_num_threads()
-        try:
-            for threads in self.run.args[1]:
-                set_threads(threads)
-                for m in range(1, rows + 1):
-                    cache = HeadCache(*(torch.zeros(c.kv_heads, rows + 2, c.head_dim, device=weight.device,
-                                                    dtype=weight.dtype) for _ in range(2)))
-                    self(cache, torch.zeros(m, dtype=torch.long, device=weight.device),
-                         torch.zeros(m, c.hidden, device=weight.device, dtype=weight.dtype), rows + 2)
-        finally:
-            set_threads(now)
-        seconds = time.perf_counter() - t0
-        record_compile(f"sparrow head step, 1-{rows} rows, {'/'.join(map(str, self.run.args[1]))} threads",
-                       self.mode, seconds)
-        return seconds
+
+        def every_row_count():
+            for m in range(1, rows + 1):
+                cache = HeadCache(*(torch.zeros(c.kv_heads, rows + 2, c.head_dim, device=weight.device,
+                                                dtype=weight.dtype) for _ in range(2)))
+                self(cache, torch.zeros(m, dtype=torch.long, device=weight.device),
+                     torch.zeros(m, c.hidden, device=weight.device, dtype=weight.dtype), rows + 2)
+
+        return warm_at_thread_counts(self.run.args[1], every_row_count, f"sparrow head step, 1-{rows} rows", self.mode)
 
 
 def head_stepper(head: SparrowHead, lm):
@@ -182,18 +174,12 @@ def warm_tree(head: SparrowHead, lm, *, total: int, depth: int, topk: int) -> fl
     if captures_head(lm):                                  # the tree and the catch-up step: capture them now
         seconds = grow.warm(depth=depth, topk=topk, vocab=lm.vocabulary, what=f"sparrow tree {total}-{depth}-{topk}")
         return seconds + head_stepper(head, lm).warm(rows=depth + 1)     # a round accepts ≤ depth tokens, + 1
-    t0, now = time.perf_counter(), torch.get_num_threads()
     cache = HeadCache.empty(head)
     top = head(cache, torch.zeros(3, head.config.hidden, device=lm.device, dtype=lm.dtype), torch.arange(3))[-1]
-    counts = grow.args[1]            # the thread counts the compiled tree is called at
-    try:
-        for threads in counts:
-            set_threads(threads)
-            draft_tree(head, lm, cache, top, 3, total=total, depth=depth, topk=topk, vocab=lm.vocabulary, grow=grow)
-    finally:
-        set_threads(now)
-    seconds = time.perf_counter() - t0
-    record_compile(f"sparrow tree {total}-{depth}-{topk}, {'/'.join(map(str, counts))} threads", lm.compile, seconds)
+    seconds = warm_at_thread_counts(      # grow.args[1]: the thread counts the compiled tree is called at
+        grow.args[1], lambda: draft_tree(head, lm, cache, top, 3, total=total, depth=depth, topk=topk,
+                                         vocab=lm.vocabulary, grow=grow),
+        f"sparrow tree {total}-{depth}-{topk}", lm.compile)
     return seconds + head_stepper(head, lm).warm(rows=depth + 1)     # a round accepts ≤ depth tokens, + 1
 
 
