@@ -20,6 +20,7 @@ from pathlib import Path
 CHOICES = ("auto", "intel", "gnu")
 _KEY = "executor.openmp="
 _REEXECUTED = "REELFLOW_OPENMP_REEXECUTED"    # set in the re-executed process: never loop
+_PRELOAD_BEFORE = "REELFLOW_OPENMP_PRELOAD_BEFORE"   # LD_PRELOAD as it was, given back to child processes
 
 
 class OpenMPChoiceError(ValueError):
@@ -71,14 +72,34 @@ def preload_environment(choice: str, env: dict[str, str], library: Path | None) 
         return None
     out = dict(env)
     out["LD_PRELOAD"] = f"{library}:{preloaded}" if preloaded else str(library)
-    out[_REEXECUTED] = "1"
+    out[_REEXECUTED], out[_PRELOAD_BEFORE] = "1", preloaded
+    return out
+
+
+def environment_for_children(env: dict[str, str]) -> dict[str, str]:
+    """The environment the re-executed process gives its children: LD_PRELOAD as it was before.
+    Why: Intel's runtime registers every process that loads it with a file in /dev/shm, removed at
+    exit, and the engine's pools end their worker processes (decoders, Ray actors) by killing them,
+    which left one file behind each; those workers run no parallel torch work that needs it. A
+    preload the user set by hand is left as it is. Pure: returns a new mapping."""
+    if not env.get(_REEXECUTED):
+        return dict(env)
+    out = {k: v for k, v in env.items() if k not in (_REEXECUTED, _PRELOAD_BEFORE, "LD_PRELOAD")}
+    if env.get(_PRELOAD_BEFORE):
+        out["LD_PRELOAD"] = env[_PRELOAD_BEFORE]
     return out
 
 
 def reexecute_if_needed(argv: list[str]) -> None:
     """Start this command again under Intel's runtime when `executor.openmp` asks for it (nothing
     returns from a re-execution). Called before torch is imported."""
-    env = preload_environment(requested(argv), dict(os.environ), intel_library())
+    choice = requested(argv)
+    if runtime_in_use() == "intel":        # preloaded already: by the re-execution below, or by hand
+        children = environment_for_children(dict(os.environ))
+        os.environ.clear()
+        os.environ.update(children)
+        return
+    env = preload_environment(choice, dict(os.environ), intel_library())
     if env is not None:
         sys.stdout.flush()
         sys.stderr.flush()

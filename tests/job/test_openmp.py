@@ -2,13 +2,21 @@
 running under the runtime it was asked for, with the same answer under both."""
 
 import json
+import os
 import platform
 import sys
 from pathlib import Path
 
 import pytest
 
-from job.openmp import OpenMPChoiceError, intel_library, preload_environment, requested, runtime_in_use
+from job.openmp import (
+    OpenMPChoiceError,
+    environment_for_children,
+    intel_library,
+    preload_environment,
+    requested,
+    runtime_in_use,
+)
 from tests.test_run import run
 
 LIB = Path("/opt/intel/libiomp5.so")
@@ -34,11 +42,20 @@ def test_a_preload_is_added_once_and_keeps_what_was_preloaded():
         preload_environment("intel", {}, None)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a preload is a Linux (ld.so) mechanism")
+def test_children_get_the_preload_as_it_was_before():
+    started = {"PATH": "/bin", "LD_PRELOAD": "/x/libjemalloc.so"}
+    assert environment_for_children(preload_environment("auto", started, LIB)) == started
+    assert environment_for_children(preload_environment("auto", {"PATH": "/bin"}, LIB)) == {"PATH": "/bin"}
+    by_hand = {"LD_PRELOAD": str(LIB)}
+    assert environment_for_children(by_hand) == by_hand          # the user's own preload stays
+
+
 @pytest.mark.skipif(not LINUX_X86, reason="intel-openmp ships for Linux on x86-64 only")
 def test_run_answers_the_same_under_either_runtime(tmp_path):
     assert intel_library() is not None, "intel-openmp is a dependency on Linux x86-64: is the install complete?"
     assert runtime_in_use() == "gnu"       # pytest itself was started without a preload
-    answers = {}
+    answers, shm_before = {}, set(os.listdir("/dev/shm"))
     for choice in ("intel", "gnu"):
         out = run(f"executor.openmp={choice}", f"hydra.run.dir={tmp_path / choice}")
         assert out.returncode == 0, out.stderr
@@ -47,6 +64,8 @@ def test_run_answers_the_same_under_either_runtime(tmp_path):
         assert f"OpenMP runtime: {choice}" in (tmp_path / choice / "plan.txt").read_text()
         answers[choice] = metrics["output_ids"]
     assert answers["intel"] == answers["gnu"] and len(answers["gnu"]) > 0
+    # Intel's runtime registers each process in /dev/shm: the run and its decoders leave none behind
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
 
 
 def test_a_bad_choice_is_one_message_and_status_2(tmp_path):
