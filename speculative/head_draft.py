@@ -53,7 +53,7 @@ def draft_tree(head: SparrowHead, lm, cache: HeadCache, top: torch.Tensor, posit
     return tokens[kept], kept_parents, {"nodes": int(kept.shape[0]), "depth": int(tree_depths(kept_parents).max()) + 1}
 
 
-_COMPILED: dict[tuple, object] = {}       # (mode, device type) -> grow_tree compiled, at its warmed counts
+_COMPILED: dict[tuple, object] = {}       # (function, mode, device type) -> compiled, at its warmed counts
 
 
 def grower(mode: str, device="cpu"):
@@ -63,11 +63,15 @@ def grower(mode: str, device="cpu"):
     holds no thread count: an elastic pool changes a worker's count between rounds, and a new key
     would be a new compile in the middle of a request. Compiled with dynamic shapes, a tree shape
     (depth, topk) is one compile that serves every cache length and position."""
-    if mode == "off":
-        return grow_tree
-    key = (mode, torch.device(device).type)
+    return grow_tree if mode == "off" else _compiled_once(grow_tree, mode, device)
+
+
+def _compiled_once(fn, mode: str, device):
+    """fn compiled with dynamic shapes in `mode`, once per process, function, mode and device type,
+    called at the thread counts it is warmed for (see grower for why no thread count in the key)."""
+    key = (fn.__name__, mode, torch.device(device).type)
     if key not in _COMPILED:
-        compiled = torch.compile(private_copy(grow_tree), dynamic=True, mode=None if mode == "default" else mode)
+        compiled = torch.compile(private_copy(fn), dynamic=True, mode=None if mode == "default" else mode)
         _COMPILED[key] = functools.partial(call_at_warmed_threads, compiled, thread_counts(device))
     return _COMPILED[key]
 
@@ -110,20 +114,12 @@ def catch_up_rows(head: SparrowHead, lm, keys: torch.Tensor, values: torch.Tenso
     return head.rows(z, position + torch.arange(m, device=keys.device), keys, values, none, none, causal)
 
 
-_COMPILED_STEPS: dict[tuple, object] = {}   # (mode, device type) -> catch_up_rows compiled, at its warmed counts
-
-
 class CompiledHeadStep:
     """The head's catch-up through catch_up_rows compiled (dynamic shapes: one compile serves every
     row count above one and every cache length), called like CapturedHeadStep."""
 
     def __init__(self, head: SparrowHead, lm, mode: str):
-        key = (mode, torch.device(lm.device).type)
-        if key not in _COMPILED_STEPS:
-            compiled = torch.compile(private_copy(catch_up_rows), dynamic=True,
-                                     mode=None if mode == "default" else mode)
-            _COMPILED_STEPS[key] = functools.partial(call_at_warmed_threads, compiled, thread_counts(lm.device))
-        self.head, self.lm, self.mode, self.run = head, lm, mode, _COMPILED_STEPS[key]
+        self.head, self.lm, self.mode, self.run = head, lm, mode, _compiled_once(catch_up_rows, mode, lm.device)
 
     @torch.inference_mode()
     def __call__(self, cache: HeadCache, ids: torch.Tensor, features: torch.Tensor, position: int) -> torch.Tensor:
