@@ -154,7 +154,8 @@ class Worker:
     def _timed(self, job: Job) -> None:
         if job.wait_for:      # outside the job's span: waiting for the producer is not this stage's time
             self.await_ready(job.wait_for)
-        if self.elastic is not None and job.phase == "call":
+        # a one-shot stage (a whole-prompt prefill) does its work in `finish`: it gets the idle cores too
+        if self.elastic is not None and job.phase in ("call", "finish"):
             threads = self.elastic()
             if threads != self._threads_now:
                 import torch

@@ -294,7 +294,23 @@ def test_elastic_torch_threads_take_the_cores_other_workers_leave_idle():
     assert "torch_threads=1+elastic" in plan.to_text()
     with Executor(spec, plan, progress=False) as ex:
         seen = ex.run(Request()).outputs["sink.threads"]
-    assert seen[0] == 1 and seen[-1] == 2, seen      # item 0 while src sleeps; item 2 after it returned
+    assert seen[0] == 1 and seen[-2] == 2, seen      # item 0 while src sleeps; item 2 after it returned
+
+
+def test_an_elastic_workers_finish_takes_the_cores_left_idle_after_its_last_call():
+    """A one-shot stage (a whole-prompt prefill) collects its inputs in calls and does its forward
+    in `finish`: every call here comes while the cpu worker is busy (1 thread), the finish after
+    it returned, so the finish gets both cores."""
+    from tests.helpers import CPU
+
+    elastic_target = {"kind": "thread", "workers": 1, "torch_threads": "elastic"}
+    resources = {**CPU, "pools": {**CPU["pools"], "target": elastic_target}}
+    nodes = {"src": node(f"{H}.PacedSource", items=3, tail_s=0.5),
+             "sink": node(f"{H}.ThreadsPerItem", "target", {"item": "src.item"}, delay=0.02)}
+    spec, plan = make(nodes, resources=resources, capacity=8)
+    with Executor(spec, plan, progress=False) as ex:
+        seen = ex.run(Request()).outputs["sink.threads"]
+    assert seen[:3] == [1, 1, 1] and seen[3] == 2, seen     # three calls, then finish's own count
 
 
 def test_pools_run_on_the_cores_they_are_pinned_to(no_leftovers):
