@@ -30,7 +30,6 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 
-import run  # noqa: F401  (registers the config's resolvers)
 from graph.executor import Executor
 from job.prepare import prepare
 from speculative.reference import speculative_decode

@@ -26,7 +26,8 @@ def test_it_times_the_engine_and_the_loop_round_by_round(capsys):
     assert [line.split(":")[0] for line in lines] == ["round 1", "round 2"]
     for line in lines:
         engine, loop, ratio = (float(x) for x in re.findall(r"(\d+\.\d+)", line))
-        assert engine > 0 and loop > 0 and ratio == pytest.approx(engine / loop, rel=0.02)   # each printed to 2 decimals
+        # each figure is printed to 2 decimals
+        assert engine > 0 and loop > 0 and ratio == pytest.approx(engine / loop, rel=0.02)
 
 
 def test_one_round_is_refused():
