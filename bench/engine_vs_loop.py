@@ -42,6 +42,24 @@ def prime(edge) -> int:
     return int(edge.get("prime", 0)) if OmegaConf.is_dict(edge) else 0
 
 
+def prefills_only(cfg) -> tuple:
+    """The same graph without its draft and verify nodes, and the two ports whose items are the
+    target's and the draft's prefills (record them to run the plain loop on them): (cfg, ports)."""
+    nodes = cfg.graph.nodes
+    draft_input = next(name for name in ("kv", "taps") if name in nodes.draft.inputs)
+    ports = (str(nodes.verify.inputs.kv), str(nodes.draft.inputs[draft_input]))
+    prefix = cfg.copy()
+    with open_dict(prefix):
+        del prefix.graph.nodes.draft, prefix.graph.nodes.verify, prefix.graph.first_token, prefix.graph.answer
+    return prefix, ports
+
+
+def loop_settings(nodes) -> dict:
+    """speculative_decode's keywords for a graph: how far the drafter runs ahead (the verdict
+    edge's prime) and whether the first token comes from the prefill (the proposal edge's)."""
+    return {"ahead": prime(nodes.draft.inputs.verdict), "first_from_prefill": prime(nodes.verify.inputs.proposal) == 1}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", default="vanilla_sd", help="a speculative method (conf/method/)")
@@ -56,11 +74,7 @@ def main(argv: list[str] | None = None) -> None:
                                            f"data.toy.videos={args.videos}", "model.target.compile=default",
                                            "model.draft.compile=${model.target.compile}", *args.overrides])
     nodes = cfg.graph.nodes
-    draft_input = next(name for name in ("kv", "taps") if name in nodes.draft.inputs)
-    ports = (str(nodes.verify.inputs.kv), str(nodes.draft.inputs[draft_input]))
-    prefix = cfg.copy()
-    with open_dict(prefix):       # the same graph without its draft and verify nodes: the prefills
-        del prefix.graph.nodes.draft, prefix.graph.nodes.verify, prefix.graph.first_token, prefix.graph.answer
+    prefix, ports = prefills_only(cfg)
     spec, plan = prepare(cfg, n_cuda=0)
     prefix_spec, prefix_plan = prepare(prefix, n_cuda=0)
     first, answer = str(cfg.graph.first_token), str(cfg.graph.answer)
@@ -80,8 +94,7 @@ def main(argv: list[str] | None = None) -> None:
                 target = verifier_stage.verifier_for(outputs[ports[0]])
                 drafter = draft_stage.drafter_for(outputs[ports[1]])
                 t0 = time.perf_counter()
-                ids = speculative_decode(target, drafter, ahead=prime(nodes.draft.inputs.verdict),
-                                         first_from_prefill=prime(nodes.verify.inputs.proposal) == 1)
+                ids = speculative_decode(target, drafter, **loop_settings(nodes))
                 loop_s = time.perf_counter() - t0
                 if ids != list(result.outputs[answer].ids):
                     raise SystemExit(f"the engine and the loop decoded different tokens for {request.id}")

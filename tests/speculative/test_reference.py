@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 from hydra.utils import instantiate
-from omegaconf import OmegaConf, open_dict
 
+from bench.engine_vs_loop import loop_settings, prefills_only
 from graph.executor import Executor
 from job.run import prepare
 from models.registry import release_all
@@ -32,10 +32,6 @@ CPU = SimpleNamespace(device="cpu")
 def _release():
     yield
     release_all()
-
-
-def prime(edge) -> int:
-    return int(edge.get("prime", 0)) if OmegaConf.is_dict(edge) else 0
 
 
 @pytest.mark.parametrize("experiment", GRAPHS)
@@ -58,11 +54,7 @@ def graph_and_reference_agree(experiment: str, overrides: list[str]) -> None:
         tokens = ex.run(request).outputs["verify.tokens"]
 
     nodes = cfg.graph.nodes
-    draft_input = next(name for name in ("kv", "taps") if name in nodes.draft.inputs)
-    prefill_ports = (str(nodes.verify.inputs.kv), str(nodes.draft.inputs[draft_input]))
-    prefix = cfg.copy()
-    with open_dict(prefix):
-        del prefix.graph.nodes.draft, prefix.graph.nodes.verify, prefix.graph.first_token, prefix.graph.answer
+    prefix, prefill_ports = prefills_only(cfg)
     spec, plan = prepare(prefix, n_cuda=0)
     with Executor(spec, plan, progress=False, record=prefill_ports) as ex:
         outputs = ex.run(request).outputs
@@ -72,8 +64,7 @@ def graph_and_reference_agree(experiment: str, overrides: list[str]) -> None:
     verifier_stage.setup(CPU)
     draft_stage.setup(CPU)
     target, drafter = verifier_stage.verifier_for(target_prefill), draft_stage.drafter_for(draft_prefill)
-    ids = speculative_decode(target, drafter, ahead=prime(nodes.draft.inputs.verdict),
-                             first_from_prefill=prime(nodes.verify.inputs.proposal) == 1)
+    ids = speculative_decode(target, drafter, **loop_settings(nodes))
 
     reference = target.rounds.stats()
     assert ids == tokens.ids
