@@ -11,6 +11,10 @@ committed tokens, rolling its cache back to the longest prefix it shares with th
 Pre-verify (ParallelVLM App. B, Alg. 1; `pre_verify`): the first round, and every round drafted
 right after a rollback, is one token, so the target verifies it at once instead of idling while
 the draft restarts a whole window; the draft meanwhile drafts a full window on top of it.
+`pre_verify="auto"` keeps only the pre-verify rounds that pay (`pre_verify_pays`): one is free
+when the draft's window takes as long as the target's one-token verification (γ = c*, the paper's
+setting), and a loss when the draft is much faster than the target, where a one-token round costs
+the target nearly a whole round's time for about one token.
 
 `window="auto"` sets γ the way ParallelVLM's Eq. 6 does, γ = c* = Tp / Tq: the draft times its own
 forwards (Tq, per drafted token, on its pruned cache), reads the target's verification time (Tp)
@@ -46,6 +50,18 @@ def auto_window(tp_s: float, tq_s: float, max_window: int) -> int:
     return max(1, min(max_window, round(tp_s / tq_s)))
 
 
+def pre_verify_pays(tq_s: float, window: int, tp1_s: float, target_s_per_token: float) -> bool:
+    """Whether a one-token round after a rollback is worth the target's time. After a rollback the
+    target waits for the draft either way: for a window (window · tq_s) without pre-verify; with
+    it, for the one token (tq_s), then it verifies that token (tp1_s) while the draft drafts the
+    window on top of it. So pre-verify delays the window's verification by tq_s plus whatever of
+    tp1_s the window's drafting does not cover, and it commits about one token sooner. It pays
+    when that delay is less than what a committed token costs the target so far
+    (target_s_per_token: its verification time over the committed tokens)."""
+    delay = tq_s + max(0.0, tp1_s - window * tq_s)
+    return delay < target_s_per_token
+
+
 def own_probability(logits: torch.Tensor, token: int, q: torch.Tensor | None) -> float:
     """The draft's probability of the token it drafted: q[token] when sampling (q: the warped
     distribution it was drawn from), else the softmax of the logits [V] at it."""
@@ -60,8 +76,8 @@ class ModelDrafter:
 
     def __init__(self, lm, cache, start: int, layout, logits: torch.Tensor, *, window: int | str, sampling: Sampling,
                  vocab: int, max_new_tokens: int, generator: torch.Generator | None = None, start_window: int = 4,
-                 max_window: int = 16, pre_verify: bool = False, confidence: float = 0.0, info: DraftInfo | None = None,
-                 chain=None):
+                 max_window: int = 16, pre_verify: bool | str = False, confidence: float = 0.0,
+                 info: DraftInfo | None = None, chain=None):
         if chain is not None and (window == "auto" or not sampling.greedy or chain.vocab != vocab):
             raise ValueError("a draft chain drafts a fixed window greedily over the shared vocabulary")
         self.lm, self.cache, self.start, self.layout, self.logits = lm, cache, start, layout, logits
@@ -69,6 +85,8 @@ class ModelDrafter:
         self.auto = window == "auto"
         self.window = start_window if self.auto else window
         self.max_window, self.sampling, self.vocab, self.generator = max_window, sampling, vocab, generator
+        if pre_verify not in (True, False, "auto"):
+            raise ValueError(f"pre_verify must be true, false or 'auto', got {pre_verify!r}")
         self.max_new_tokens, self.pre_verify, self.confidence, self.info = max_new_tokens, pre_verify, confidence, info
         self.sequence: list[int] = []      # committed tokens, then the rounds in flight
         self.in_cache = 0                  # how many of `sequence` the draft's cache holds
@@ -77,12 +95,18 @@ class ModelDrafter:
         self.pre_rounds: set[int] = set()  # the rounds drafted in pre-verify mode
         self.tp = [0.0, 0]                 # the target's verification time: sum, count
         self.tq = [0.0, 0]                 # the draft's time per drafted token: sum, count
+        self.tp1 = [0.0, 0]                # the target's verification of a pre-verify round: sum, count
+        self.target_s = 0.0                # the target's verification time over all verdicts
+        self.committed = 0                 # the committed length, as the last verdict said
 
     def propose(self, verdict: Verdict | None, timer: Timer) -> Proposal | None:
         """The next round after `verdict` (None: a round before any verdict); None when every token
         the budget allows is in flight already."""
         if verdict is not None and not verdict.stale:
             self._apply(verdict)
+            self.target_s, self.committed = self.target_s + verdict.verify_s, verdict.length
+            if verdict.round in self.pre_rounds and verdict.verify_s > 0:
+                self.tp1 = [self.tp1[0] + verdict.verify_s, self.tp1[1] + 1]
             # γ follows the verification of a whole window: a pre-verify round's one token is not one
             if self.auto and verdict.verify_s > 0 and self.tq[1] and verdict.round not in self.pre_rounds:
                 self.tp = [self.tp[0] + verdict.verify_s, self.tp[1] + 1]
@@ -91,7 +115,7 @@ class ModelDrafter:
             return None
         base = len(self.sequence)
         after = self.sequence[-1] if self.sequence else -1
-        pre = self.pre_verify and self.restarted
+        pre = self.restarted and self._pre_verify_now()
         self.restarted = False
         tokens, probs = self._draft(1 if pre else self.window, timer)
         self.sequence += tokens
@@ -107,6 +131,16 @@ class ModelDrafter:
                         kind=RoundKind.PRE_VERIFY if pre else RoundKind.WINDOW, window=window,
                         draft_s=self.tq[0] / self.tq[1] if self.tq[1] else None,
                         info=self.info if self.round == 1 else None)
+
+    def _pre_verify_now(self) -> bool:
+        """pre_verify as set; "auto": until the times it needs are measured (the first round is a
+        pre-verify round, so they soon are), yes; then pre_verify_pays on them."""
+        if self.pre_verify != "auto":
+            return self.pre_verify
+        if not (self.tq[1] and self.tp1[1] and self.committed and self.target_s > 0):
+            return True
+        return pre_verify_pays(self.tq[0] / self.tq[1], self.window, self.tp1[0] / self.tp1[1],
+                               self.target_s / self.committed)
 
     def _apply(self, verdict: Verdict) -> None:
         """The target verified our tokens from `start` on: it committed the first `accepted` of them,

@@ -39,7 +39,8 @@ class ModelDraft(Stage):
     the verifier's; vocab: the compared vocabulary (0: the one shared with `target`, else the
     draft's); max_new_tokens: no round drafts past it; target: the target's entry, whose tokenizer
     must be the draft's (checked at setup: a clear error otherwise); pre_verify: one-token rounds
-    after each rollback (for a draft that runs ahead, prime 2); confidence: a round ends after a
+    after each rollback (for a draft that runs ahead, prime 2; "auto": those that pay, by the
+    measured times, speculative.model_draft.pre_verify_pays); confidence: a round ends after a
     token the draft gives less than this probability (0: always `window`); chain: draft a greedy
     round of a fixed window in one compiled call (models.draft_chain) when the draft's steps are
     compiled with inductor (model.draft.compile); false: a forward a token, as without compile."""
@@ -50,7 +51,7 @@ class ModelDraft(Stage):
 
     def __init__(self, model: dict, window: int | str = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, vocab: int = 0, max_new_tokens: int = 256, target: dict | None = None,
-                 start_window: int = 4, max_window: int = 16, pre_verify: bool = False, confidence: float = 0.0,
+                 start_window: int = 4, max_window: int = 16, pre_verify: bool | str = False, confidence: float = 0.0,
                  chain: bool = True):
         if window != "auto" and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
             raise ValueError(f"window must be an integer ≥ 1 or 'auto', got {window!r}")
@@ -62,7 +63,9 @@ class ModelDraft(Stage):
         self.start_window, self.max_window = start_window, max_window
         self.sampling, self.seed, self.vocab = Sampling(temperature, top_k, top_p), seed, vocab
         self.target = dict(target) if target else None
-        self.pre_verify, self.confidence = bool(pre_verify), float(confidence)
+        if pre_verify not in (True, False, "auto"):
+            raise ValueError(f"pre_verify must be true, false or 'auto', got {pre_verify!r}")
+        self.pre_verify, self.confidence = pre_verify, float(confidence)
         self.use_chain = bool(chain)
         self.lm = self.chain = None
 

@@ -196,6 +196,16 @@ def test_auto_window_is_the_seeds_eq6_within_bounds():
     assert auto_window(1.0, 0.0, 7) == 7
 
 
+def test_pre_verify_auto_is_lossless(pair):
+    """pre_verify="auto" (the parallelvlm graph's default) decides round by round from the measured
+    times (tests/speculative/test_model_draft.py); its first round, before any time is measured, is
+    a pre-verify round, and the output is the target's own whichever way the later ones go."""
+    target, draft, video = pair
+    tokens = run_sd(sd_nodes(target, draft, window=4, prime=2, pre_verify="auto"), video)
+    assert tokens.ids == reference_ids(target, video, PROMPT, 24)
+    assert tokens.speculative.pre_verify_rounds >= 1 and tokens.speculative.drafted[0] == 1
+
+
 @pytest.mark.parametrize("prime", [1, 2])
 def test_auto_window_is_lossless_and_reports_the_measured_times(pair, prime):
     """window=auto: γ follows the measured Tp / Tq after the first verdict; the output stays the
