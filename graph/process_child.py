@@ -9,12 +9,12 @@ then ("done", result, timed parts) or ("error", type name, message, traceback te
 
 from __future__ import annotations
 
-import pickle
 import signal
 import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from graph import wire
 from graph.context import Cancelled, StageContext
 from graph.jobs import Job, build_stage, run_phase
 from graph.resources import pin_to
@@ -63,12 +63,11 @@ def resident_ports_of(stage: Any) -> set[str]:
 
 
 def send(conn, msg) -> None:
-    # Plain pickle copies tensors by value: nothing goes through /dev/shm behind our back.
-    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    conn.send_bytes(wire.dumps(msg))      # by value: nothing goes through /dev/shm behind our back
 
 
 def recv(conn):
-    return pickle.loads(conn.recv_bytes())
+    return wire.loads(conn.recv_bytes())
 
 
 def child_main(conn, torch_threads: int, device: str, name: str = "", affinity: tuple[int, ...] | None = None) -> None:
