@@ -91,3 +91,25 @@ def test_sparrows_tree_fits_the_machine_and_the_papers_shape_is_one_override_awa
     assert shape("resources=gpu") == shape("resources=gpu2") == (30, 4, 8)
     assert shape('graph.tree_shape={total: 30, depth: 4, topk: 8}') == (30, 4, 8)
     assert shape("graph.tree_shape.total=16") == (16, 6, 2)
+
+
+def config_columns(cfg) -> list[str]:
+    """The report's columns read from the composed config: neither derived by the block, nor a
+    metric (summary.*), nor the method's name."""
+    report = OmegaConf.to_container(cfg.report, resolve=False) if cfg.get("report") else {}
+    derived = set(report.get("derived") or {})
+    return [c for c in report.get("columns") or []
+            if "." in c and c not in derived and not c.startswith("summary.")]
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_report_columns_from_the_config_exist_for_every_method_swept(name):
+    """A column the report reads from the config must be in every method's config, else a sweep
+    of methods without it (`method=ar,sparrow` of bench_sparrow, say) has no report (it names the
+    column no job has): such a key is an optional derived column instead."""
+    base = composed([f"+experiment={name}"])
+    methods = [p[0].split("=", 1)[1] for p in sweep_points(name) if p[0].startswith("method=")]
+    for method in methods:
+        cfg = composed([f"+experiment={name}", f"method={method}"])
+        for column in config_columns(base):
+            assert OmegaConf.select(cfg, column, default=None) is not None, (name, method, column)
