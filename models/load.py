@@ -100,6 +100,8 @@ def _load(path: str, *, dtype: str, device: str, attn_implementation: str, name:
         return _random_model(path, dtype=dtype, device=device, attn_implementation=attn_implementation, name=name)
     where = resolve(path)
     local = Path(where).is_dir()
+    if not local:
+        _refuse_a_missing_local_path(path)
     try:
         config = AutoConfig.from_pretrained(where, trust_remote_code=False)
     except (OSError, ValueError) as e:
@@ -118,6 +120,29 @@ def _load(path: str, *, dtype: str, device: str, attn_implementation: str, name:
     tokenizer = AutoTokenizer.from_pretrained(where)
     preprocess = _preprocess(where) if local else {}
     return _adapt(arch, model, tokenizer, preprocess, name or Path(path).name, dtype, device, attn_implementation)
+
+
+def _refuse_a_missing_local_path(path: str) -> None:
+    """A path whose parent is a directory here (`zoo/qwen-target` where zoo/ exists) is a local
+    path with a typo, not a hub id of the same shape: say so at once, with the checkpoints of that
+    name or a close one under the parent, rather than after the hub's retries."""
+    import difflib
+
+    given = Path(path).expanduser()
+    parent = next((root / given.parent for root in (Path(), ROOT)
+                   if str(given.parent) not in ("", ".") and (root / given.parent).is_dir()), None)
+    if parent is None:
+        return
+    checkpoints = {c.parent.relative_to(parent) for depth in range(1, 4)             # up to three levels down
+                   for c in parent.glob("/".join(["*"] * depth) + "/config.json")}
+    by_name = {}
+    for c in sorted(checkpoints):
+        by_name.setdefault(c.name, []).append(c)
+    close = difflib.get_close_matches(given.name, list(by_name), n=3, cutoff=0.6)      # best first
+    near = [str(given.parent / c) for name in close for c in by_name[name]]
+    hint = f"; checkpoints under {given.parent}/ with a close name: {', '.join(near)}" if near else ""
+    raise ModelError(f"model path {path!r}: no usable checkpoint (no such directory; {given.parent}/ is a directory "
+                     f"here, so this is read as a local path, not a hub id){hint}")
 
 
 def _check_attention(attn_implementation: str) -> None:

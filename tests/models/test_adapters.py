@@ -186,6 +186,27 @@ def test_unknown_path_and_unsupported_architecture_are_clear_errors(tmp_path):
         load_model(str(tmp_path / "gpt"), dtype="int3")
 
 
+def test_a_misspelt_local_path_is_refused_at_once_with_the_close_checkpoints(tmp_path, monkeypatch):
+    """`ckpts/qwen-target` where ckpts/ is a directory here is a local path with a typo, not a hub
+    id: refused before the hub is asked (its retries take half a minute offline), naming the
+    checkpoints of a close name up to three levels under ckpts/."""
+    import transformers
+
+    for name in ("qwen-target", "llava-draft"):
+        (tmp_path / "ckpts" / "weights" / name).mkdir(parents=True)
+        (tmp_path / "ckpts" / "weights" / name / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+
+    def hub(*args, **kwargs):
+        raise AssertionError("the hub was asked")
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", hub)
+    with pytest.raises(ModelError, match=r"ckpts/ is a directory here.*close name: ckpts/weights/qwen-target$"):
+        load_model("ckpts/qwen-target")
+    with pytest.raises(ModelError, match=r"no such directory; ckpts/weights/ is a directory here, so this is read "
+                                         r"as a local path, not a hub id\)$"):
+        load_model("ckpts/weights/gpt-j")
+
+
 def test_draft_and_target_with_different_tokenizers_are_refused(tmp_path, lm):
     other = load_model(str(random_checkpoint(tmp_path / "o", ARCHS[lm.arch])))
     assert shared_vocabulary(lm, other) == len(lm.tokenizer)
