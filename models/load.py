@@ -129,6 +129,8 @@ def _refuse_a_missing_local_path(path: str) -> None:
     import difflib
 
     given = Path(path).expanduser()
+    if given.is_absolute():            # not a hub id's shape: transformers refuses it without the hub
+        return
     parent = next((root / given.parent for root in (Path(), ROOT)
                    if str(given.parent) not in ("", ".") and (root / given.parent).is_dir()), None)
     if parent is None:
