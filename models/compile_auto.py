@@ -33,16 +33,24 @@ def choose_mode(lm, key: str, *, cached: int = 1024, rounds: int = 20) -> str:
     once (one-token steps and 8-token verifications over a `cached`-entry cache, the two paths
     interleaved, medians) and remembered in the cache dir under `key` (model, dtype, device, torch
     version), so later runs only read the choice."""
-    where = cache_dir() / CHOICES_FILE
+    return remembered(CHOICES_FILE, key, "mode", lambda: measure_modes(lm, cached=cached, rounds=rounds),
+                      "compile auto", "a step and an 8-token verification", extra={"cached": cached})
+
+
+def remembered(file: str, key: str, field: str, measure, what: str, timed: str, extra: dict | None = None):
+    """The choice stored under `key` in the cache dir's `file` (its `field`), else the fastest of
+    measure() -> {choice: ms}, stored there so that later runs read it: a choice that changed from
+    run to run would change the numbers a run computes (kernels sum in other orders)."""
+    where = cache_dir() / file
     try:
         choices = json.loads(where.read_text())
     except (OSError, ValueError):
         choices = {}
     if key in choices:
-        return choices[key]["mode"]
-    timings = measure_modes(lm, cached=cached, rounds=rounds)
-    mode = min(timings, key=timings.get)
-    choices[key] = {"mode": mode, "ms": {m: round(t, 3) for m, t in timings.items()}, "cached": cached}
+        return choices[key][field]
+    timings = measure()
+    choice = min(timings, key=timings.get)
+    choices[key] = {field: choice, "ms": {str(m): round(t, 3) for m, t in timings.items()}, **(extra or {})}
     tmp = where.with_suffix(f".{os.getpid()}.tmp")
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
@@ -50,10 +58,10 @@ def choose_mode(lm, key: str, *, cached: int = 1024, rounds: int = 20) -> str:
         tmp.replace(where)            # atomic; of two processes measuring at once, one's choice is kept
     except OSError as e:                       # a read-only home: choose again next time
         tmp.unlink(missing_ok=True)
-        log.warning("compile auto: could not remember the choice in %s (%s)", where, e)
-    log.info("compile auto for %s: %s (a step and an 8-token verification, ms: %s)", key, mode,
+        log.warning("%s: could not remember the choice in %s (%s)", what, where, e)
+    log.info("%s for %s: %s (%s, ms: %s)", what, key, choice, timed,
              ", ".join(f"{m} {t:.2f}" for m, t in timings.items()))
-    return mode
+    return choice
 
 
 def candidates(device) -> tuple[str, ...]:

@@ -64,7 +64,7 @@ def layers_step(lean, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         new_v.append(v)
         return split_attention(q, k, v, prefix_k[i], prefix_v[i], mask, lean.scaling)
 
-    hidden = lean.run_layers(embeds, cos, sin, attend)
+    hidden = lean.run_layers(embeds, cos, sin, attend, fused=True)
     return hidden, torch.stack(new_k), torch.stack(new_v)
 
 

@@ -58,7 +58,7 @@ def greedy_chain(lean, embed: torch.Tensor, head: torch.Tensor, head_bias: torch
             among = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)   # causal, the n last of m
             return split_attention(q, k_all, v_all, prefix_k[i], prefix_v[i], among, lean.scaling)
 
-        hidden = lean.run_layers(F.embedding(ids, embed), cos[fed:fed + n], sin[fed:fed + n], attend)
+        hidden = lean.run_layers(F.embedding(ids, embed), cos[fed:fed + n], sin[fed:fed + n], attend, fused=True)
         logits = F.linear(hidden[-1:], head, head_bias).float()[:, :vocab]               # [1, vocab]
         ids = logits.argmax(-1)                                                           # [1]
         tokens.append(ids)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from models.attention import decode_attention
+from models.packing import PackedLayer, mlp_products, o_product, qkv_products
 
 TABLE_STEP = 4096       # rotary table rows added at a time (positions beyond it extend it)
 
@@ -83,6 +84,7 @@ class LeanDecoder:
         self._cos = self._sin = None
         self._masks: dict = {}        # (n, device) -> causal bool [n, n] (_causal)
         self.step = None          # models.compiled_step.CompiledStep or models.captured_step.CapturedStep (load_model)
+        self.packed: list[PackedLayer] | None = None     # models.packing, when load_model packed the weights
 
     @classmethod
     def of(cls, text_model) -> LeanDecoder | None:
@@ -172,26 +174,38 @@ class LeanDecoder:
 
         return self.run_layers(embeds, *self._rotary(positions, embeds), attend)
 
-    def run_layers(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
+    def run_layers(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend,
+                   fused: bool = False) -> torch.Tensor:
         """The decoder layers over embeds [n, hidden] with the rotary rows cos, sin [n, head_dim] of
         their positions (`_rotary`). attend(layer, q [H, n, hd], k [KV, n, hd], v [KV, n, hd])
         stores the new keys and values wherever its cache keeps them and returns the attention,
-        [1, n, H, hd] or [n, H * hd]. Returns the final-norm hidden states [n, hidden]."""
+        [1, n, H, hd] or [n, H * hd]. fused: the products by the packed weights where the model
+        has them (q, k and v in one product, gate and up in one: compiled steps), else one
+        product a projection, as the model's own forward. Returns the final-norm hidden states
+        [n, hidden]."""
         x = embeds
-        for i, w in enumerate(self.layers):
-            x = self.layer(x, w, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v))
+        packed = self.packed if fused and self.packed is not None else [None] * len(self.layers)
+        for i, (w, p) in enumerate(zip(self.layers, packed)):
+            x = self.layer(x, w, cos, sin, lambda q, k, v, i=i: attend(i, q, k, v), p)
         return rms_norm(x, self.final_norm, self.eps)
 
-    def layer(self, x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, attend) -> torch.Tensor:
-        """One decoder layer with weights `w` over x [n, hidden]; attend(q, k, v) as in run_layers.
-        -> the layer's output [n, hidden]."""
+    def layer(self, x: torch.Tensor, w: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, attend,
+              packed: PackedLayer | None = None) -> torch.Tensor:
+        """One decoder layer with weights `w` (or their packed layout) over x [n, hidden];
+        attend(q, k, v) as in run_layers. -> the layer's output [n, hidden]."""
         n = x.shape[0]
         h = rms_norm(x, w.input_norm, self.eps)
-        q = F.linear(h, w.q, w.q_bias).view(n, self.n_heads, self.head_dim).transpose(0, 1)      # [H, n, hd]
-        k = F.linear(h, w.k, w.k_bias).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1)   # [KV, n, hd]
-        v = F.linear(h, w.v, w.v_bias).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1)
+        if packed is not None:
+            q, k, v = qkv_products(h, packed)
+        else:
+            q, k, v = F.linear(h, w.q, w.q_bias), F.linear(h, w.k, w.k_bias), F.linear(h, w.v, w.v_bias)
+        q = q.reshape(n, self.n_heads, self.head_dim).transpose(0, 1)        # [H, n, hd]
+        k = k.reshape(n, self.n_kv_heads, self.head_dim).transpose(0, 1)     # [KV, n, hd]
+        v = v.reshape(n, self.n_kv_heads, self.head_dim).transpose(0, 1)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        attn = attend(q, k, v)
-        x = x + F.linear(attn.reshape(n, self.n_heads * self.head_dim), w.o, w.o_bias)
+        attn = attend(q, k, v).reshape(n, self.n_heads * self.head_dim)
+        x = x + (o_product(attn, packed) if packed is not None else F.linear(attn, w.o, w.o_bias))
         h = rms_norm(x, w.post_norm, self.eps)
+        if packed is not None:
+            return x + mlp_products(h, packed)
         return x + F.linear(F.silu(F.linear(h, w.gate)) * F.linear(h, w.up), w.down)

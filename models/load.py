@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -41,18 +42,22 @@ def resolve(path: str) -> str:
 
 
 def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa",
-               lean: bool = True, compile: str = "off", name: str | None = None):
+               lean: bool = True, compile: str = "off", pack="auto", name: str | None = None):
     """The checkpoint at `path` behind the VideoLM protocol. lean: decode steps and verifications
     take models.lean's path over the model's weights (False: the model's own forward). compile:
     "off", a torch.compile mode for the lean path's steps (models.compiled_step.MODES, compiled
     and warmed here, before any request), a CUDA-graph mode on a GPU ("cudagraph",
     "reduce-overhead": models.captured_step, captured here), or "auto": whichever measures fastest
-    on this device (measured once, then remembered: models.compile_auto)."""
+    on this device (measured once, then remembered: models.compile_auto). pack: the decoder
+    layers' weights re-laid for few-row products (models.packing): True, False, or "auto" (on the
+    CPU, when it measures faster here; measured once, then remembered)."""
     from models.compile_auto import choose_mode
     from models.steps import CAPTURED, SETTINGS, build_step
 
     if compile not in SETTINGS:
         raise ModelError(f"compile={compile!r}: use one of {', '.join(SETTINGS)}")
+    if not (isinstance(pack, bool) or pack == "auto"):
+        raise ModelError(f"pack={pack!r}: use auto, true or false")
     if compile != "off" and not lean:
         raise ModelError("compile needs the lean path (lean: true): it compiles the lean step")
     if compile in CAPTURED and not str(device).startswith("cuda"):
@@ -61,13 +66,44 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
     lm = _load(path, dtype=dtype, device=device, attn_implementation=attn_implementation, name=name)
     if not lean:
         lm.lean = None
-    elif compile != "off" and lm.lean is not None:
+    elif lm.lean is not None:
+        _pack(lm, pack, fused=compile != "off")
+    if lm.lean is not None and compile != "off":
         mode = compile if compile != "auto" else choose_mode(lm, _machine_key(path, lm))
         if mode != "off":
             lm.lean.step = build_step(lm.lean, mode)
             lm.lean.step.warm(lm.device, lm.dtype, name=lm.name)
         lm.compile = mode
     return lm
+
+
+def _pack(lm, pack, *, fused: bool) -> None:
+    """Pack `lm`'s decoder weights (models.packing) when `pack` says so: True; "auto" on the CPU
+    when the layers' products measure faster packed, in the form the steps will run (fused: the
+    compiled step's, else one product a projection), measured once for the layers' shapes on this
+    CPU and remembered (the weights' values do not matter, only their shapes). On a GPU auto
+    leaves them as loaded: a GPU's kernels read either layout at the same pace."""
+    from models.compile_auto import remembered
+    from models.compiling import record_compile
+    from models.lean import LeanDecoder
+    from models.packing import CHOICES_FILE, packed_layers, products_ms, rebind, shape_key
+
+    if pack is False or (pack == "auto" and lm.device.type != "cpu"):
+        return
+    started = time.perf_counter()
+    layers = packed_layers(lm.text)
+    if pack == "auto":
+        form = "fused" if fused else "a product each"
+        key = f"{shape_key(layers)} | {form} | {lm.dtype} | {_cpu_name() or 'cpu'}, {torch.get_num_threads()} threads"
+        layout = remembered(CHOICES_FILE, f"{key} | torch {torch.__version__}", "layout",
+                            lambda: products_ms(lm.text, layers, fused=fused), "pack auto",
+                            f"the decoder layers' products for 1 and 8 rows, {form}")
+        if layout != "packed":
+            return
+    rebind(lm.text, layers)
+    lm.lean = LeanDecoder.of(lm.text)           # its LayerWeights name the rebound views
+    lm.lean.packed = layers
+    record_compile(f"{lm.name} weights packed", "auto" if pack == "auto" else "on", time.perf_counter() - started)
 
 
 def _machine_key(path: str, lm) -> str:

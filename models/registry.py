@@ -13,12 +13,13 @@ from models.load import load_model
 
 _LOCK = threading.Lock()
 _MODELS: dict[tuple, Any] = {}
-SPEC_KEYS = ("path", "dtype", "device", "attn_implementation", "lean", "compile", "name", "fps", "size")
+SPEC_KEYS = ("path", "dtype", "device", "attn_implementation", "lean", "compile", "pack", "name", "fps", "size")
 
 
 def model_key(spec: dict, device: str) -> tuple:
     return (spec["path"], spec.get("dtype") or "float32", spec.get("device") or device,
-            spec.get("attn_implementation") or "sdpa", bool(spec.get("lean", True)), str(spec.get("compile") or "off"))
+            spec.get("attn_implementation") or "sdpa", bool(spec.get("lean", True)), str(spec.get("compile") or "off"),
+            spec.get("pack", "auto"))
 
 
 def get_model(spec: dict, device: str = "cpu"):
@@ -33,7 +34,7 @@ def get_model(spec: dict, device: str = "cpu"):
     with _LOCK:
         if key not in _MODELS:
             _MODELS[key] = load_model(key[0], dtype=key[1], device=key[2], attn_implementation=key[3],
-                                      lean=key[4], compile=key[5], name=spec.get("name"))
+                                      lean=key[4], compile=key[5], pack=key[6], name=spec.get("name"))
         return _MODELS[key]
 
 

@@ -1,0 +1,185 @@
+"""Packed decoder weights for decode steps on the CPU: each layer's q, k and v projections as one
+[hidden, q + k + v] matrix, gate and up as one [hidden, 2 × intermediate], o and down as
+[in, out]. The modules' own weights and biases are rebound as views of the packed tensors, so
+nothing is held twice and the model's own forward reads the same numbers; its state_dict (what
+save_pretrained writes) still gives each weight as a contiguous [out, in] tensor of its own.
+
+    layers = pack(text_model)          # list[PackedLayer]; text_model.layers now read views of them
+    ms = products_ms(text_model, packed_layers(text_model), fused=True)      # {"as_loaded": ms, "packed": ms}
+
+Why: a step of a few new tokens is a run of matrix-vector products streaming the weights from
+memory, so how fast the BLAS streams a weight is the step's speed. On an AMD EPYC core (MKL,
+one thread) x·Wᵀ over a weight stored [out, in] read 7 GB/s from memory and x·W over one stored
+[in, out] 21 GB/s; and one product over q, k and v together costs less than three (each call
+starts its stream anew). The toy target's 42 layer products (19 MB): 2.3 ms as loaded, 1.35 ms
+packed. Whether it pays depends on the BLAS and the CPU, so `pack: auto` measures it
+(models.load, remembered like `compile: auto`).
+
+Two ways to use the packed tensors (models.lean): the eager lean path keeps one product per
+projection, now over the views, so its results stay bit-identical to the model's own forward;
+the compiled step multiplies by the packed tensors themselves (three products become one), which
+sums the same terms in another blocking: a float32 rounding apart, as the compiled step already is.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+CHOICES_FILE = "pack-choices.json"      # under reelflow's cache dir: what `pack: auto` chose per model and CPU
+
+
+@dataclass(frozen=True)
+class PackedLayer:
+    """One decoder layer's weights, laid out [in, out]."""
+
+    qkv: torch.Tensor               # [hidden, q + 2 × kv]
+    qkv_bias: torch.Tensor | None   # [q + 2 × kv]
+    o: torch.Tensor                 # [q, hidden]
+    o_bias: torch.Tensor | None     # [hidden]
+    gate_up: torch.Tensor           # [hidden, 2 × intermediate]
+    down: torch.Tensor              # [intermediate, hidden]
+
+    @property
+    def split(self) -> tuple[int, int, int]:
+        """Widths of q, k and v in qkv's output."""
+        q = self.o.shape[0]
+        kv = (self.qkv.shape[1] - q) // 2
+        return q, kv, kv
+
+    @property
+    def intermediate(self) -> int:
+        return self.down.shape[0]
+
+
+def shape_key(layers: list[PackedLayer]) -> str:
+    """What the products' speed depends on: the layers' count and shapes."""
+    p = layers[0]
+    return f"{len(layers)} layers of qkv {list(p.qkv.shape)}, o {list(p.o.shape)}, mlp {list(p.gate_up.shape)}"
+
+
+def packed_copy(layer) -> PackedLayer:
+    """A Qwen2-kind decoder layer's weights copied into the packed layout (nothing rebound)."""
+    a, m = layer.self_attn, layer.mlp
+    with torch.no_grad():
+        qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).t().contiguous()
+        biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+        qkv_bias = torch.cat(biases).contiguous() if all(b is not None for b in biases) else None
+        if qkv_bias is None and any(b is not None for b in biases):
+            raise ValueError("q, k and v projections with and without biases: not a Qwen2-kind layer")
+        o_bias = a.o_proj.bias.detach().clone() if a.o_proj.bias is not None else None
+        tensors = (qkv, qkv_bias, a.o_proj.weight.t().contiguous(), o_bias,
+                   torch.cat([m.gate_proj.weight, m.up_proj.weight]).t().contiguous(),
+                   m.down_proj.weight.t().contiguous())
+    # parameters, as the weights they replace: torch.compile keeps a parameter's shape static, a
+    # plain tensor's dynamic (and may then tie a weight's size to a cache length that equals it)
+    return PackedLayer(*(None if t is None else torch.nn.Parameter(t, requires_grad=False) for t in tensors))
+
+
+def packed_layers(text_model) -> list[PackedLayer]:
+    """packed_copy of every decoder layer."""
+    return [packed_copy(layer) for layer in text_model.layers]
+
+
+def rebind(text_model, layers: list[PackedLayer]) -> None:
+    """Make each layer's projection weights and biases views of its PackedLayer (the loaded
+    tensors are then free), keeping each parameter's requires_grad."""
+    for layer, p in zip(text_model.layers, layers):
+        a, m = layer.self_attn, layer.mlp
+        q, k, _ = p.split
+        inter = p.intermediate
+        views = {a.q_proj: (p.qkv[:, :q], None if p.qkv_bias is None else p.qkv_bias[:q]),
+                 a.k_proj: (p.qkv[:, q:q + k], None if p.qkv_bias is None else p.qkv_bias[q:q + k]),
+                 a.v_proj: (p.qkv[:, q + k:], None if p.qkv_bias is None else p.qkv_bias[q + k:]),
+                 a.o_proj: (p.o, p.o_bias),
+                 m.gate_proj: (p.gate_up[:, :inter], None),
+                 m.up_proj: (p.gate_up[:, inter:], None),
+                 m.down_proj: (p.down, None)}
+        for module, (weight, bias) in views.items():
+            module.weight = torch.nn.Parameter(weight.t(), requires_grad=module.weight.requires_grad)   # [out, in] view
+            if bias is not None:
+                module.bias = torch.nn.Parameter(bias, requires_grad=module.bias.requires_grad)
+            module.register_state_dict_post_hook(_saved_as_loaded)
+
+
+def _saved_as_loaded(module, state_dict, prefix, local_metadata) -> None:
+    """A rebound module's state_dict entries as tensors of their own, contiguous: safetensors
+    refuses a strided view, and transformers' save_pretrained reads views sharing one storage as
+    tied weights."""
+    for name in ("weight", "bias"):
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = state_dict[prefix + name].clone(memory_format=torch.contiguous_format)
+
+
+def pack(text_model) -> list[PackedLayer]:
+    """Pack every decoder layer and rebind the model's weights to views of the packed tensors."""
+    layers = packed_layers(text_model)
+    rebind(text_model, layers)
+    return layers
+
+
+def qkv_products(h: torch.Tensor, p: PackedLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [n, hidden] -> q [n, q], k [n, kv], v [n, kv] by one product (with the biases)."""
+    qkv = h @ p.qkv if p.qkv_bias is None else torch.addmm(p.qkv_bias, h, p.qkv)
+    return qkv.split(p.split, -1)
+
+
+def o_product(attn: torch.Tensor, p: PackedLayer) -> torch.Tensor:
+    """attn [n, q] -> [n, hidden]."""
+    return attn @ p.o if p.o_bias is None else torch.addmm(p.o_bias, attn, p.o)
+
+
+def mlp_products(h: torch.Tensor, p: PackedLayer) -> torch.Tensor:
+    """SwiGLU over h [n, hidden] with gate and up in one product -> [n, hidden]."""
+    gate, up = (h @ p.gate_up).split(p.intermediate, -1)
+    return (F.silu(gate) * up) @ p.down
+
+
+def _packed_products(h: torch.Tensor, p: PackedLayer, fused: bool) -> torch.Tensor:
+    if fused:
+        q, _, _ = qkv_products(h, p)
+        return mlp_products(o_product(q, p), p)
+    q_size, kv, _ = p.split                    # the views rebind() gives the modules, a product each
+    bias = (lambda a, b: None) if p.qkv_bias is None else (lambda a, b: p.qkv_bias[a:b])
+    q = F.linear(h, p.qkv[:, :q_size].t(), bias(0, q_size))
+    F.linear(h, p.qkv[:, q_size:q_size + kv].t(), bias(q_size, q_size + kv))
+    F.linear(h, p.qkv[:, q_size + kv:].t(), bias(q_size + kv, None))
+    o = F.linear(q, p.o.t(), p.o_bias)
+    inter = p.intermediate
+    return F.linear(F.silu(F.linear(o, p.gate_up[:, :inter].t())) * F.linear(o, p.gate_up[:, inter:].t()), p.down.t())
+
+
+def _loaded_products(h: torch.Tensor, layer) -> torch.Tensor:
+    a, m = layer.self_attn, layer.mlp
+    q = a.q_proj(h)
+    a.k_proj(h), a.v_proj(h)
+    o = a.o_proj(q)
+    return m.down_proj(F.silu(m.gate_proj(o)) * m.up_proj(o))
+
+
+@torch.inference_mode()
+def products_ms(text_model, packed: list[PackedLayer], *, fused: bool, rows: tuple[int, ...] = (1, 8),
+                rounds: int = 20) -> dict[str, float]:
+    """Milliseconds of every layer's weight products over `rows`-row inputs (a step and an
+    8-token verification), as loaded (a product each) and packed (fused: the compiled step's
+    three products, else a product each over the packed views), interleaved round by round;
+    medians. The attention between them is left out: it is the same either way."""
+    first = text_model.layers[0].self_attn.q_proj.weight
+    hidden = first.shape[1]
+    inputs = [torch.randn(n, hidden, device=first.device, dtype=first.dtype) for n in rows]
+
+    ways = {"as_loaded": lambda h: [_loaded_products(h, layer) for layer in text_model.layers],
+            "packed": lambda h: [_packed_products(h, p, fused) for p in packed]}
+    times: dict[str, list[float]] = {way: [] for way in ways}
+    for r in range(rounds + 2):                       # the first two rounds untimed
+        for way, run in ways.items():
+            t0 = time.perf_counter()
+            for h in inputs:
+                run(h)
+            if r >= 2:
+                times[way].append(time.perf_counter() - t0)
+    return {way: 1000 * statistics.median(t) for way, t in times.items()}
