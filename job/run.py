@@ -54,8 +54,8 @@ def run_job(cfg: DictConfig, requests: list[Any], run_dir: Path) -> dict[str, An
     compiles = compile_records(since=started)      # the stages' models compiled at setup, before any request
     if compiles:
         with open(run_dir / "plan.txt", "a") as f:
-            f.write("\ncompiled at setup:\n" + "".join(f"  {c['what']} ({c['mode']}): {c['seconds']:.1f} s\n"
-                                                       for c in compiles))
+            f.write("\nmade at setup (compiled steps, packed weights):\n"
+                    + "".join(f"  {c['what']} ({c['mode']}): {c['seconds']:.1f} s\n" for c in compiles))
     per_run = [run_metrics(r, spec, plan, first_token, answer) for r in results]
     first = results[0]
     write_trace_files(cfg, run_dir, spec, plan, first.calls, first.t_start, per_run[0])

@@ -24,11 +24,12 @@ _RECORDS: list[dict] = []          # what this process compiled: {what, mode, se
 _RECORDS_LOCK = threading.Lock()
 
 
-def record_compile(what: str, mode: str, seconds: float) -> None:
-    """Note a compile (its warm-up calls) for the run's metrics and plan.txt (compile_records)."""
+def record_compile(what: str, mode: str, seconds: float, done: str = "compiled") -> None:
+    """Note a compile (its warm-up calls), or other work a model does for its steps at load (done:
+    what the log says of it), for the run's metrics and plan.txt (compile_records)."""
     with _RECORDS_LOCK:
         _RECORDS.append({"what": what, "mode": mode, "seconds": round(seconds, 3), "at": time.time()})
-    log.info("compiled %s (%s) in %.1f s", what, mode, seconds)
+    log.info("%s %s (%s) in %.1f s", done, what, mode, seconds)
 
 
 def compile_records(since: float = 0.0) -> list[dict]:

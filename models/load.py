@@ -86,7 +86,7 @@ def _pack(lm, pack, *, fused: bool) -> None:
     from models.compile_auto import remembered
     from models.compiling import record_compile
     from models.lean import LeanDecoder
-    from models.packing import CHOICES_FILE, packed_layers, products_ms, rebind, shape_key
+    from models.packing import CHOICES_FILE, packed_layers, products_ms, rebind_layers, shape_key
 
     if pack is False or (pack == "auto" and lm.device.type != "cpu"):
         return
@@ -100,10 +100,11 @@ def _pack(lm, pack, *, fused: bool) -> None:
                             f"the decoder layers' products for 1 and 8 rows, {form}")
         if layout != "packed":
             return
-    rebind(lm.text, layers)
+    rebind_layers(lm.text, layers)
     lm.lean = LeanDecoder.of(lm.text)           # its LayerWeights name the rebound views
     lm.lean.packed = layers
-    record_compile(f"{lm.name} weights packed", "auto" if pack == "auto" else "on", time.perf_counter() - started)
+    record_compile(f"{lm.name} weights", "auto" if pack == "auto" else "on", time.perf_counter() - started,
+                   done="packed")
 
 
 def _machine_key(path: str, lm) -> str:

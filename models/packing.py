@@ -62,19 +62,28 @@ def shape_key(layers: list[PackedLayer]) -> str:
     return f"{len(layers)} layers of qkv {list(p.qkv.shape)}, o {list(p.o.shape)}, mlp {list(p.gate_up.shape)}"
 
 
-def packed_copy(layer) -> PackedLayer:
-    """A Qwen2-kind decoder layer's weights copied into the packed layout (nothing rebound)."""
+def qwen2_projections(layer) -> dict[str, torch.nn.Linear]:
+    """A Qwen2-kind decoder layer's seven projections by role (q, k, v, o, gate, up, down)."""
     a, m = layer.self_attn, layer.mlp
+    return {"q": a.q_proj, "k": a.k_proj, "v": a.v_proj, "o": a.o_proj,
+            "gate": m.gate_proj, "up": m.up_proj, "down": m.down_proj}
+
+
+def packed_copy(projections: dict[str, torch.nn.Linear]) -> PackedLayer:
+    """One layer's projections (qwen2_projections' roles) copied into the packed layout (nothing
+    rebound)."""
+    q, k, v, o, gate, up, down = (projections[r] for r in ("q", "k", "v", "o", "gate", "up", "down"))
+    if gate.bias is not None or up.bias is not None or down.bias is not None:
+        raise ValueError("an MLP projection with a bias: not a Qwen2-kind layer")
     with torch.no_grad():
-        qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).t().contiguous()
-        biases = [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]
+        qkv = torch.cat([q.weight, k.weight, v.weight]).t().contiguous()
+        biases = [q.bias, k.bias, v.bias]
         qkv_bias = torch.cat(biases).contiguous() if all(b is not None for b in biases) else None
         if qkv_bias is None and any(b is not None for b in biases):
             raise ValueError("q, k and v projections with and without biases: not a Qwen2-kind layer")
-        o_bias = a.o_proj.bias.detach().clone() if a.o_proj.bias is not None else None
-        tensors = (qkv, qkv_bias, a.o_proj.weight.t().contiguous(), o_bias,
-                   torch.cat([m.gate_proj.weight, m.up_proj.weight]).t().contiguous(),
-                   m.down_proj.weight.t().contiguous())
+        o_bias = o.bias.detach().clone() if o.bias is not None else None
+        tensors = (qkv, qkv_bias, o.weight.t().contiguous(), o_bias,
+                   torch.cat([gate.weight, up.weight]).t().contiguous(), down.weight.t().contiguous())
     # parameters, as the weights they replace: torch.compile keeps a parameter's shape static, a
     # plain tensor's dynamic (and may then tie a weight's size to a cache length that equals it)
     return PackedLayer(*(None if t is None else torch.nn.Parameter(t, requires_grad=False) for t in tensors))
@@ -82,28 +91,37 @@ def packed_copy(layer) -> PackedLayer:
 
 def packed_layers(text_model) -> list[PackedLayer]:
     """packed_copy of every decoder layer."""
-    return [packed_copy(layer) for layer in text_model.layers]
+    return [packed_copy(qwen2_projections(layer)) for layer in text_model.layers]
 
 
-def rebind(text_model, layers: list[PackedLayer]) -> None:
-    """Make each layer's projection weights and biases views of its PackedLayer (the loaded
-    tensors are then free), keeping each parameter's requires_grad."""
+def rebind(projections: dict[str, torch.nn.Linear], p: PackedLayer) -> None:
+    """Make the projections' weights and biases views of `p` (the tensors they held are then
+    free), keeping each parameter's requires_grad."""
+    q, k, _ = p.split
+    inter = p.intermediate
+    bias = (lambda a, b: None) if p.qkv_bias is None else (lambda a, b: p.qkv_bias[a:b])
+    views = {"q": (p.qkv[:, :q], bias(0, q)), "k": (p.qkv[:, q:q + k], bias(q, q + k)),
+             "v": (p.qkv[:, q + k:], bias(q + k, None)), "o": (p.o, p.o_bias),
+             "gate": (p.gate_up[:, :inter], None), "up": (p.gate_up[:, inter:], None), "down": (p.down, None)}
+    for role, (weight, bias_view) in views.items():
+        module = projections[role]
+        module.weight = torch.nn.Parameter(weight.t(), requires_grad=module.weight.requires_grad)   # [out, in] view
+        if bias_view is not None:
+            module.bias = torch.nn.Parameter(bias_view, requires_grad=module.bias.requires_grad)
+        module.register_state_dict_post_hook(_saved_as_loaded)
+
+
+def rebind_layers(text_model, layers: list[PackedLayer]) -> None:
+    """rebind every decoder layer to its PackedLayer."""
     for layer, p in zip(text_model.layers, layers):
-        a, m = layer.self_attn, layer.mlp
-        q, k, _ = p.split
-        inter = p.intermediate
-        views = {a.q_proj: (p.qkv[:, :q], None if p.qkv_bias is None else p.qkv_bias[:q]),
-                 a.k_proj: (p.qkv[:, q:q + k], None if p.qkv_bias is None else p.qkv_bias[q:q + k]),
-                 a.v_proj: (p.qkv[:, q + k:], None if p.qkv_bias is None else p.qkv_bias[q + k:]),
-                 a.o_proj: (p.o, p.o_bias),
-                 m.gate_proj: (p.gate_up[:, :inter], None),
-                 m.up_proj: (p.gate_up[:, inter:], None),
-                 m.down_proj: (p.down, None)}
-        for module, (weight, bias) in views.items():
-            module.weight = torch.nn.Parameter(weight.t(), requires_grad=module.weight.requires_grad)   # [out, in] view
-            if bias is not None:
-                module.bias = torch.nn.Parameter(bias, requires_grad=module.bias.requires_grad)
-            module.register_state_dict_post_hook(_saved_as_loaded)
+        rebind(qwen2_projections(layer), p)
+
+
+def pack(text_model) -> list[PackedLayer]:
+    """Pack every decoder layer and rebind the model's weights to views of the packed tensors."""
+    layers = packed_layers(text_model)
+    rebind_layers(text_model, layers)
+    return layers
 
 
 def _saved_as_loaded(module, state_dict, prefix, local_metadata) -> None:
@@ -113,13 +131,6 @@ def _saved_as_loaded(module, state_dict, prefix, local_metadata) -> None:
     for name in ("weight", "bias"):
         if prefix + name in state_dict:
             state_dict[prefix + name] = state_dict[prefix + name].clone(memory_format=torch.contiguous_format)
-
-
-def pack(text_model) -> list[PackedLayer]:
-    """Pack every decoder layer and rebind the model's weights to views of the packed tensors."""
-    layers = packed_layers(text_model)
-    rebind(text_model, layers)
-    return layers
 
 
 def qkv_products(h: torch.Tensor, p: PackedLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -43,6 +43,7 @@ from torch import nn
 from models.attention import grouped_attention
 from models.compiled_step import split_attention
 from models.lean import rms_norm, rotate
+from models.packing import PackedLayer, mlp_products, o_product, packed_copy, qkv_products, rebind
 
 CONFIG_FILE, WEIGHTS_FILE = "sparrow.json", "head.safetensors"
 
@@ -93,6 +94,8 @@ class HeadCache:
 
 
 class SparrowHead(nn.Module):
+    packed: PackedLayer | None = None        # the layer's projections packed (pack), as its target's are
+
     def __init__(self, config: SparrowConfig):
         super().__init__()
         c = self.config = config
@@ -157,17 +160,28 @@ class SparrowHead(nn.Module):
         """z [n, hidden] -> q [H, n, hd], k, v [KV, n, hd], rotated to their positions."""
         c, n = self.config, z.shape[0]
         h = rms_norm(z, self.input_norm, c.eps)
-        q = self.q(h).view(n, c.heads, c.head_dim).transpose(0, 1)                 # [H, n, hd]
-        k = self.k(h).view(n, c.kv_heads, c.head_dim).transpose(0, 1)              # [KV, n, hd]
-        v = self.v(h).view(n, c.kv_heads, c.head_dim).transpose(0, 1)
+        q, k, v = qkv_products(h, self.packed) if self.packed is not None else (self.q(h), self.k(h), self.v(h))
+        q = q.reshape(n, c.heads, c.head_dim).transpose(0, 1)                 # [H, n, hd]
+        k = k.reshape(n, c.kv_heads, c.head_dim).transpose(0, 1)              # [KV, n, hd]
+        v = v.reshape(n, c.kv_heads, c.head_dim).transpose(0, 1)
         cos, sin = self.rotary(positions)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def _finish(self, z: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The residual, output projection and MLP after attention [n, H * hd] -> ĥ [n, hidden]."""
-        x = z + self.o(attn)
+        p = self.packed
+        x = z + (o_product(attn, p) if p is not None else self.o(attn))
         h = rms_norm(x, self.post_norm, self.config.eps)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + (mlp_products(h, p) if p is not None else self.down(F.silu(self.gate(h)) * self.up(h)))
+
+    def pack(self) -> None:
+        """Pack the layer's projections (models.packing: q, k, v in one [in, out] matrix, gate and
+        up in one), the modules rebound as views of them; its drafting then multiplies by the
+        packed tensors. For a head on the CPU beside a packed target (load)."""
+        projections = {"q": self.q, "k": self.k, "v": self.v, "o": self.o, "gate": self.gate, "up": self.up,
+                       "down": self.down}
+        self.packed = packed_copy(projections)
+        rebind(projections, self.packed)
 
     # ------------------------------------------------------------------------ files
 
@@ -199,4 +213,7 @@ class SparrowHead(nn.Module):
                              f"{lm.vocab_size}")
         head = cls(config)
         head.load_state_dict({k: v.float() for k, v in load_file(str(where / WEIGHTS_FILE)).items()})
-        return head.to(lm.device, lm.dtype).eval()
+        head = head.to(lm.device, lm.dtype).eval()
+        if lm.lean is not None and lm.lean.packed is not None:       # packing paid for the target here
+            head.pack()
+        return head

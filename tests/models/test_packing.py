@@ -100,6 +100,6 @@ def test_auto_measures_once_per_shape_then_reads_its_choice(checkpoint, tmp_path
 
 def test_packing_is_in_the_runs_records_and_bad_settings_are_refused(checkpoint):
     load_model(checkpoint, pack=True)
-    assert any(r["what"].endswith("weights packed") for r in compile_records())
+    assert any(r["what"].endswith("weights") and r["mode"] == "on" for r in compile_records())
     with pytest.raises(ModelError, match="pack"):
         load_model(checkpoint, pack="yes")

@@ -72,3 +72,27 @@ def test_save_load_and_refusals(head, target, tmp_path):
     (tmp_path / "h" / CONFIG_FILE).write_text(json.dumps({**config, "hidden": 64}))
     with pytest.raises(ModelError, match="width 64"):
         SparrowHead.load(tmp_path / "h", target)
+
+
+@torch.no_grad()
+def test_a_head_loaded_beside_a_packed_target_is_packed_and_drafts_as_before(head, tmp_path):
+    """SparrowHead.load packs the head where its target is packed (models.packing): the same
+    outputs (another BLAS kernel: ATOL), whole and over rows, and it saves the same weights."""
+    head.save(tmp_path / "h")
+    packed_target = load_model("zoo/weights/qwen-target", pack=True)
+    plain_target = load_model("zoo/weights/qwen-target", pack=False)
+    packed, plain = SparrowHead.load(tmp_path / "h", packed_target), SparrowHead.load(tmp_path / "h", plain_target)
+    assert packed.packed is not None and plain.packed is None
+    z = torch.randn(5, head.config.hidden)
+    torch.testing.assert_close(packed(HeadCache.empty(packed), z, torch.arange(5)),
+                               plain(HeadCache.empty(plain), z, torch.arange(5)), atol=ATOL, rtol=0)
+    prefix_k, prefix_v = torch.randn(2, head.config.kv_heads, 6, head.config.head_dim)
+    none_k = torch.zeros(head.config.kv_heads, 0, head.config.head_dim)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    for got, want in zip(packed.rows(z, torch.arange(6, 11), prefix_k, prefix_v, none_k, none_k, mask),
+                         plain.rows(z, torch.arange(6, 11), prefix_k, prefix_v, none_k, none_k, mask)):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    packed.save(tmp_path / "again")
+    for (name, a), (_, b) in zip(SparrowHead.load(tmp_path / "again", plain_target).state_dict().items(),
+                                 plain.state_dict().items()):
+        assert torch.equal(a, b), name
