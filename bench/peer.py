@@ -43,7 +43,9 @@ class PeerDecoder:
         config._attn_implementation = "sdpa"
         with torch.device("meta"):
             model = Qwen2ForCausalLM(config)
-        state = {f"model.{k}": v for k, v in lm.text.state_dict().items() if not k.startswith("rotary_emb")}
+        # the parameters themselves, not state_dict(): packed weights (models.packing) give copies there
+        tensors = {**dict(lm.text.named_parameters()), **dict(lm.text.named_buffers())}
+        state = {f"model.{k}": v.detach() for k, v in tensors.items() if not k.startswith("rotary_emb")}
         state["lm_head.weight"] = lm.lm_head.weight
         missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
         if unexpected or [k for k in missing if "rotary" not in k]:
