@@ -86,20 +86,33 @@ def _pack(lm, pack, *, fused: bool) -> None:
     from models.compile_auto import remembered
     from models.compiling import record_compile
     from models.lean import LeanDecoder
-    from models.packing import CHOICES_FILE, packed_layers, products_ms, rebind_layers, shape_key
+    from models.packing import (
+        CHOICES_FILE,
+        MEASURED_LAYERS,
+        packed_copy,
+        packed_layers,
+        products_ms,
+        qwen2_projections,
+        rebind_layers,
+        shape_key,
+    )
 
     if pack is False or (pack == "auto" and lm.device.type != "cpu"):
         return
     started = time.perf_counter()
-    layers = packed_layers(lm.text)
     if pack == "auto":
         form = "fused" if fused else "a product each"
-        key = f"{shape_key(layers)} | {form} | {lm.dtype} | {_cpu_name() or 'cpu'}, {torch.get_num_threads()} threads"
-        layout = remembered(CHOICES_FILE, f"{key} | torch {torch.__version__}", "layout",
-                            lambda: products_ms(lm.text, layers, fused=fused), "pack auto",
+        key = f"{shape_key(lm.text)} | {form} | {lm.dtype} | {_cpu_name() or 'cpu'}, {torch.get_num_threads()} threads"
+
+        def measure():                # on copies of the first few layers, dropped after
+            sample = [packed_copy(qwen2_projections(layer)) for layer in list(lm.text.layers)[:MEASURED_LAYERS]]
+            return products_ms(lm.text, sample, fused=fused)
+
+        layout = remembered(CHOICES_FILE, f"{key} | torch {torch.__version__}", "layout", measure, "pack auto",
                             f"the decoder layers' products for 1 and 8 rows, {form}")
         if layout != "packed":
             return
+    layers = packed_layers(lm.text)
     rebind_layers(lm.text, layers)
     lm.lean = LeanDecoder.of(lm.text)           # its LayerWeights name the rebound views
     lm.lean.packed = layers

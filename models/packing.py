@@ -5,7 +5,7 @@ nothing is held twice and the model's own forward reads the same numbers; its st
 save_pretrained writes) still gives each weight as a contiguous [out, in] tensor of its own.
 
     layers = pack(text_model)          # list[PackedLayer]; text_model.layers now read views of them
-    ms = products_ms(text_model, packed_layers(text_model), fused=True)      # {"as_loaded": ms, "packed": ms}
+    ms = products_ms(text_model, packed_layers(text_model)[:4], fused=True)   # {"as_loaded": ms, "packed": ms}
 
 Why: a step of a few new tokens is a run of matrix-vector products streaming the weights from
 memory, so how fast the BLAS streams a weight is the step's speed. On an AMD EPYC core (MKL,
@@ -56,10 +56,14 @@ class PackedLayer:
         return self.down.shape[0]
 
 
-def shape_key(layers: list[PackedLayer]) -> str:
-    """What the products' speed depends on: the layers' count and shapes."""
-    p = layers[0]
-    return f"{len(layers)} layers of qkv {list(p.qkv.shape)}, o {list(p.o.shape)}, mlp {list(p.gate_up.shape)}"
+MEASURED_LAYERS = 4     # `auto` times this many layers' products (copies of them), not a whole large model's
+
+
+def shape_key(text_model) -> str:
+    """What the products' speed depends on: the decoder layers' count and shapes."""
+    r = qwen2_projections(text_model.layers[0])
+    return (f"{len(text_model.layers)} layers: q, k, v {[r[n].weight.shape[0] for n in 'qkv']} of "
+            f"{r['q'].weight.shape[1]}, mlp {r['gate'].weight.shape[0]}")
 
 
 def qwen2_projections(layer) -> dict[str, torch.nn.Linear]:
@@ -94,16 +98,20 @@ def packed_layers(text_model) -> list[PackedLayer]:
     return [packed_copy(qwen2_projections(layer)) for layer in text_model.layers]
 
 
-def rebind(projections: dict[str, torch.nn.Linear], p: PackedLayer) -> None:
-    """Make the projections' weights and biases views of `p` (the tensors they held are then
-    free), keeping each parameter's requires_grad."""
+def views(p: PackedLayer) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    """Each projection's weight [in, out] and bias (or None) as views of `p`, by role."""
     q, k, _ = p.split
     inter = p.intermediate
     bias = (lambda a, b: None) if p.qkv_bias is None else (lambda a, b: p.qkv_bias[a:b])
-    views = {"q": (p.qkv[:, :q], bias(0, q)), "k": (p.qkv[:, q:q + k], bias(q, q + k)),
-             "v": (p.qkv[:, q + k:], bias(q + k, None)), "o": (p.o, p.o_bias),
-             "gate": (p.gate_up[:, :inter], None), "up": (p.gate_up[:, inter:], None), "down": (p.down, None)}
-    for role, (weight, bias_view) in views.items():
+    return {"q": (p.qkv[:, :q], bias(0, q)), "k": (p.qkv[:, q:q + k], bias(q, q + k)),
+            "v": (p.qkv[:, q + k:], bias(q + k, None)), "o": (p.o, p.o_bias),
+            "gate": (p.gate_up[:, :inter], None), "up": (p.gate_up[:, inter:], None), "down": (p.down, None)}
+
+
+def rebind(projections: dict[str, torch.nn.Linear], p: PackedLayer) -> None:
+    """Make the projections' weights and biases views of `p` (the tensors they held are then
+    free), keeping each parameter's requires_grad."""
+    for role, (weight, bias_view) in views(p).items():
         module = projections[role]
         module.weight = torch.nn.Parameter(weight.t(), requires_grad=module.weight.requires_grad)   # [out, in] view
         if bias_view is not None:
@@ -150,18 +158,19 @@ def mlp_products(h: torch.Tensor, p: PackedLayer) -> torch.Tensor:
     return (F.silu(gate) * up) @ p.down
 
 
-def _packed_products(h: torch.Tensor, p: PackedLayer, fused: bool) -> torch.Tensor:
-    if fused:
-        q, _, _ = qkv_products(h, p)
-        return mlp_products(o_product(q, p), p)
-    q_size, kv, _ = p.split                    # the views rebind() gives the modules, a product each
-    bias = (lambda a, b: None) if p.qkv_bias is None else (lambda a, b: p.qkv_bias[a:b])
-    q = F.linear(h, p.qkv[:, :q_size].t(), bias(0, q_size))
-    F.linear(h, p.qkv[:, q_size:q_size + kv].t(), bias(q_size, q_size + kv))
-    F.linear(h, p.qkv[:, q_size + kv:].t(), bias(q_size + kv, None))
-    o = F.linear(q, p.o.t(), p.o_bias)
-    inter = p.intermediate
-    return F.linear(F.silu(F.linear(o, p.gate_up[:, :inter].t())) * F.linear(o, p.gate_up[:, inter:].t()), p.down.t())
+def _fused_products(h: torch.Tensor, p: PackedLayer) -> torch.Tensor:
+    q, _, _ = qkv_products(h, p)
+    return mlp_products(o_product(q, p), p)
+
+
+def _products_each(h: torch.Tensor, w: dict) -> torch.Tensor:
+    """A product a projection over views (views()): what a rebound module computes."""
+    def linear(x, role):
+        return F.linear(x, w[role][0].t(), w[role][1])
+
+    linear(h, "k"), linear(h, "v")
+    o = linear(linear(h, "q"), "o")
+    return linear(F.silu(linear(o, "gate")) * linear(o, "up"), "down")
 
 
 def _loaded_products(h: torch.Tensor, layer) -> torch.Tensor:
@@ -175,16 +184,20 @@ def _loaded_products(h: torch.Tensor, layer) -> torch.Tensor:
 @torch.inference_mode()
 def products_ms(text_model, packed: list[PackedLayer], *, fused: bool, rows: tuple[int, ...] = (1, 8),
                 rounds: int = 20) -> dict[str, float]:
-    """Milliseconds of every layer's weight products over `rows`-row inputs (a step and an
-    8-token verification), as loaded (a product each) and packed (fused: the compiled step's
-    three products, else a product each over the packed views), interleaved round by round;
-    medians. The attention between them is left out: it is the same either way."""
+    """Milliseconds of the weight products of the first len(packed) layers (`packed` their copies)
+    over `rows`-row inputs (a step and an 8-token verification), as loaded (a product each) and
+    packed (fused: the compiled step's three products, else a product each over the packed
+    views), interleaved round by round; medians. The attention between them is left out: it is
+    the same either way."""
     first = text_model.layers[0].self_attn.q_proj.weight
     hidden = first.shape[1]
     inputs = [torch.randn(n, hidden, device=first.device, dtype=first.dtype) for n in rows]
+    loaded = list(text_model.layers)[:len(packed)]
+    laid = [views(p) for p in packed]
 
-    ways = {"as_loaded": lambda h: [_loaded_products(h, layer) for layer in text_model.layers],
-            "packed": lambda h: [_packed_products(h, p, fused) for p in packed]}
+    ways = {"as_loaded": lambda h: [_loaded_products(h, layer) for layer in loaded],
+            "packed": lambda h: ([_fused_products(h, p) for p in packed] if fused
+                                 else [_products_each(h, w) for w in laid])}
     times: dict[str, list[float]] = {way: [] for way in ways}
     for r in range(rounds + 2):                       # the first two rounds untimed
         for way, run in ways.items():

@@ -86,7 +86,7 @@ def test_auto_measures_once_per_shape_then_reads_its_choice(checkpoint, tmp_path
     monkeypatch.setenv("REELFLOW_CACHE", str(tmp_path))
     lm = load_model(checkpoint, pack="auto")
     (key, choice), = json.loads((tmp_path / packing.CHOICES_FILE).read_text()).items()
-    assert "layers of qkv" in key and set(choice["ms"]) == {"as_loaded", "packed"}
+    assert "layers: q, k, v" in key and set(choice["ms"]) == {"as_loaded", "packed"}
     assert choice["layout"] == min(choice["ms"], key=choice["ms"].get)
     assert (lm.lean.packed is not None) == (choice["layout"] == "packed")
 
