@@ -49,15 +49,17 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
     and warmed here, before any request), a CUDA-graph mode on a GPU ("cudagraph",
     "reduce-overhead": models.captured_step, captured here), or "auto": whichever measures fastest
     on this device (measured once, then remembered: models.compile_auto). pack: the decoder
-    layers' weights re-laid for few-row products (models.packing): True, False, or "auto" (on the
-    CPU, when it measures faster here; measured once, then remembered)."""
+    layers' weights re-laid for few-row products (models.packing): True, False, "tiled" (packed,
+    and the compiled steps' products by the tiled kernel over a copy in column tiles:
+    models.tiled), or "auto" (on the CPU, whichever measures fastest here; measured once, then
+    remembered)."""
     from models.compile_auto import choose_mode
     from models.steps import CAPTURED, SETTINGS, build_step
 
     if compile not in SETTINGS:
         raise ModelError(f"compile={compile!r}: use one of {', '.join(SETTINGS)}")
-    if not (isinstance(pack, bool) or pack == "auto"):
-        raise ModelError(f"pack={pack!r}: use auto, true or false")
+    if not (isinstance(pack, bool) or pack in ("auto", "tiled")):
+        raise ModelError(f"pack={pack!r}: use auto, true, false or tiled")
     if compile != "off" and not lean:
         raise ModelError("compile needs the lean path (lean: true): it compiles the lean step")
     if compile in CAPTURED and not str(device).startswith("cuda"):
@@ -78,11 +80,13 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
 
 
 def _pack(lm, pack, *, fused: bool) -> None:
-    """Pack `lm`'s decoder weights (models.packing) when `pack` says so: True; "auto" on the CPU
-    when the layers' products measure faster packed, in the form the steps will run (fused: the
-    compiled step's, else one product a projection), measured once for the layers' shapes on this
-    CPU and remembered (the weights' values do not matter, only their shapes). On a GPU auto
-    leaves them as loaded: a GPU's kernels read either layout at the same pace."""
+    """Pack `lm`'s decoder weights (models.packing) when `pack` says so: True; "tiled" (packed, and
+    tiled for the compiled steps' products); "auto" on the CPU whichever of as loaded, packed and
+    tiled the layers' products measure fastest in, in the form the steps will run (fused: the
+    compiled step's, else one product a projection; tiles serve fused products only), measured
+    once for the layers' shapes on this CPU and remembered (the weights' values do not matter,
+    only their shapes). On a GPU auto leaves them as loaded: a GPU's kernels read either layout at
+    the same pace."""
     from models.compile_auto import remembered
     from models.compiling import record_compile
     from models.lean import LeanDecoder
@@ -95,14 +99,26 @@ def _pack(lm, pack, *, fused: bool) -> None:
         qwen2_projections,
         rebind_layers,
         shape_key,
+        tiles_apply,
+        with_tiles,
     )
+    from models.tiled import unavailable_reason
 
+    if pack == "tiled":
+        weight = lm.text.layers[0].self_attn.q_proj.weight
+        if not tiles_apply(weight):
+            why = unavailable_reason() or f"the weights are {weight.dtype} on {weight.device}"
+            raise ModelError(f"pack=tiled needs float32 weights on the CPU and the tiled kernel: {why}")
+        if not fused:
+            raise ModelError("pack=tiled serves the compiled steps' products: set compile (default or auto) too")
     if pack is False or (pack == "auto" and lm.device.type != "cpu"):
         return
     started = time.perf_counter()
     if pack == "auto":
         form = "fused" if fused else "a product each"
         key = f"{shape_key(lm.text)} | {form} | {lm.dtype} | {_cpu_name() or 'cpu'}, {torch.get_num_threads()} threads"
+        if fused and tiles_apply(lm.text.layers[0].self_attn.q_proj.weight):
+            key += " | tiled kernel"           # a choice made before the kernel could be one does not hold
 
         def measure():                # on copies of the first few layers, dropped after
             sample = [packed_copy(qwen2_projections(layer)) for layer in list(lm.text.layers)[:MEASURED_LAYERS]]
@@ -110,14 +126,18 @@ def _pack(lm, pack, *, fused: bool) -> None:
 
         layout = remembered(CHOICES_FILE, f"{key} | torch {torch.__version__}", "layout", measure, "pack auto",
                             f"the decoder layers' products for 1 and 8 rows, {form}")
-        if layout != "packed":
+        if layout == "as_loaded":
             return
+    else:
+        layout = "tiled" if pack == "tiled" else "packed"
     layers = packed_layers(lm.text)
     rebind_layers(lm.text, layers)
+    if layout == "tiled":
+        layers = [with_tiles(p) for p in layers]
     lm.lean = LeanDecoder.of(lm.text)           # its LayerWeights name the rebound views
     lm.lean.packed = layers
     record_compile(f"{lm.name} weights", "auto" if pack == "auto" else "on", time.perf_counter() - started,
-                   done="packed")
+                   done="packed and tiled" if layout == "tiled" else "packed")
 
 
 def _machine_key(path: str, lm) -> str:

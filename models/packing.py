@@ -23,6 +23,7 @@ sums the same terms in another blocking: a float32 rounding apart, as the compil
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,12 +31,27 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from models import tiled
+
 CHOICES_FILE = "pack-choices.json"      # under reelflow's cache dir: what `pack: auto` chose per model and CPU
 
 
 @dataclass(frozen=True)
+class Tiles:
+    """One decoder layer's packed weights again, in column tiles (models.tiled; biases padded to
+    the tiles' width): what the compiled steps multiply by with `pack: tiled`."""
+
+    qkv: torch.Tensor               # [ceil((q + 2 × kv) / 32), hidden, 32]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor                 # [ceil(hidden / 32), q, 32]
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor           # [ceil(2 × intermediate / 32), hidden, 32]
+    down: torch.Tensor              # [ceil(hidden / 32), intermediate, 32]
+
+
+@dataclass(frozen=True)
 class PackedLayer:
-    """One decoder layer's weights, laid out [in, out]."""
+    """One decoder layer's weights, laid out [in, out] (and in tiles, with `pack: tiled`)."""
 
     qkv: torch.Tensor               # [hidden, q + 2 × kv]
     qkv_bias: torch.Tensor | None   # [q + 2 × kv]
@@ -43,6 +59,7 @@ class PackedLayer:
     o_bias: torch.Tensor | None     # [hidden]
     gate_up: torch.Tensor           # [hidden, 2 × intermediate]
     down: torch.Tensor              # [intermediate, hidden]
+    tiles: Tiles | None = None
 
     @property
     def split(self) -> tuple[int, int, int]:
@@ -91,6 +108,22 @@ def packed_copy(projections: dict[str, torch.nn.Linear]) -> PackedLayer:
     # parameters, as the weights they replace: torch.compile keeps a parameter's shape static, a
     # plain tensor's dynamic (and may then tie a weight's size to a cache length that equals it)
     return PackedLayer(*(None if t is None else torch.nn.Parameter(t, requires_grad=False) for t in tensors))
+
+
+def with_tiles(p: PackedLayer) -> PackedLayer:
+    """p with its weights also in column tiles (models.tiled), for the tiled kernel."""
+    def frozen(t):
+        return None if t is None else torch.nn.Parameter(t, requires_grad=False)
+
+    with torch.no_grad():
+        tiles = Tiles(frozen(tiled.tile(p.qkv)), frozen(tiled.tile_bias(p.qkv_bias)), frozen(tiled.tile(p.o)),
+                      frozen(tiled.tile_bias(p.o_bias)), frozen(tiled.tile(p.gate_up)), frozen(tiled.tile(p.down)))
+    return dataclasses.replace(p, tiles=tiles)
+
+
+def tiles_apply(weight: torch.Tensor) -> bool:
+    """Whether the tiled kernel serves weights like this one: float32 on the CPU, kernel built."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and tiled.available()
 
 
 def packed_layers(text_model) -> list[PackedLayer]:
@@ -143,17 +176,25 @@ def _saved_as_loaded(module, state_dict, prefix, local_metadata) -> None:
 
 def qkv_products(h: torch.Tensor, p: PackedLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h [n, hidden] -> q [n, q], k [n, kv], v [n, kv] by one product (with the biases)."""
-    qkv = h @ p.qkv if p.qkv_bias is None else torch.addmm(p.qkv_bias, h, p.qkv)
+    if p.tiles is not None:
+        qkv = tiled.product(h, p.tiles.qkv, p.tiles.qkv_bias, p.qkv.shape[1])
+    else:
+        qkv = h @ p.qkv if p.qkv_bias is None else torch.addmm(p.qkv_bias, h, p.qkv)
     return qkv.split(p.split, -1)
 
 
 def o_product(attn: torch.Tensor, p: PackedLayer) -> torch.Tensor:
     """attn [n, q] -> [n, hidden]."""
+    if p.tiles is not None:
+        return tiled.product(attn, p.tiles.o, p.tiles.o_bias, p.o.shape[1])
     return attn @ p.o if p.o_bias is None else torch.addmm(p.o_bias, attn, p.o)
 
 
 def mlp_products(h: torch.Tensor, p: PackedLayer) -> torch.Tensor:
     """SwiGLU over h [n, hidden] with gate and up in one product -> [n, hidden]."""
+    if p.tiles is not None:
+        gate, up = tiled.product(h, p.tiles.gate_up, None, p.gate_up.shape[1]).split(p.intermediate, -1)
+        return tiled.product(F.silu(gate) * up, p.tiles.down, None, p.down.shape[1])
     gate, up = (h @ p.gate_up).split(p.intermediate, -1)
     return (F.silu(gate) * up) @ p.down
 
@@ -187,8 +228,9 @@ def products_ms(text_model, packed: list[PackedLayer], *, fused: bool, rows: tup
     """Milliseconds of the weight products of the first len(packed) layers (`packed` their copies)
     over `rows`-row inputs (a step and an 8-token verification), as loaded (a product each) and
     packed (fused: the compiled step's three products, else a product each over the packed
-    views), interleaved round by round; medians. The attention between them is left out: it is
-    the same either way."""
+    views), and with fused products tiled too where the tiled kernel runs (float32 on the CPU);
+    interleaved round by round; medians. The attention between them is left out: it is the same
+    every way."""
     first = text_model.layers[0].self_attn.q_proj.weight
     hidden = first.shape[1]
     inputs = [torch.randn(n, hidden, device=first.device, dtype=first.dtype) for n in rows]
@@ -198,6 +240,9 @@ def products_ms(text_model, packed: list[PackedLayer], *, fused: bool, rows: tup
     ways = {"as_loaded": lambda h: [_loaded_products(h, layer) for layer in loaded],
             "packed": lambda h: ([_fused_products(h, p) for p in packed] if fused
                                  else [_products_each(h, w) for w in laid])}
+    if fused and tiles_apply(first):
+        tiled_layers = [with_tiles(p) for p in packed]
+        ways["tiled"] = lambda h: [_fused_products(h, p) for p in tiled_layers]
     times: dict[str, list[float]] = {way: [] for way in ways}
     for r in range(rounds + 2):                       # the first two rounds untimed
         for way, run in ways.items():

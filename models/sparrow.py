@@ -43,7 +43,7 @@ from torch import nn
 from models.attention import grouped_attention
 from models.compiled_step import split_attention
 from models.lean import rms_norm, rotate
-from models.packing import PackedLayer, mlp_products, o_product, packed_copy, qkv_products, rebind
+from models.packing import PackedLayer, mlp_products, o_product, packed_copy, qkv_products, rebind, with_tiles
 
 CONFIG_FILE, WEIGHTS_FILE = "sparrow.json", "head.safetensors"
 
@@ -174,14 +174,16 @@ class SparrowHead(nn.Module):
         h = rms_norm(x, self.post_norm, self.config.eps)
         return x + (mlp_products(h, p) if p is not None else self.down(F.silu(self.gate(h)) * self.up(h)))
 
-    def pack(self) -> None:
+    def pack(self, tiled: bool = False) -> None:
         """Pack the layer's projections (models.packing: q, k, v in one [in, out] matrix, gate and
         up in one), the modules rebound as views of them; its drafting then multiplies by the
-        packed tensors. For a head on the CPU beside a packed target (load)."""
+        packed tensors (tiled: by their copy in column tiles, models.tiled). For a head on the CPU
+        beside a packed target (load)."""
         projections = {"q": self.q, "k": self.k, "v": self.v, "o": self.o, "gate": self.gate, "up": self.up,
                        "down": self.down}
-        self.packed = packed_copy(projections)
-        rebind(projections, self.packed)
+        packed = packed_copy(projections)
+        rebind(projections, packed)
+        self.packed = with_tiles(packed) if tiled else packed
 
     # ------------------------------------------------------------------------ files
 
@@ -215,5 +217,5 @@ class SparrowHead(nn.Module):
         head.load_state_dict({k: v.float() for k, v in load_file(str(where / WEIGHTS_FILE)).items()})
         head = head.to(lm.device, lm.dtype).eval()
         if lm.lean is not None and lm.lean.packed is not None:       # packing paid for the target here
-            head.pack()
+            head.pack(tiled=lm.lean.packed[0].tiles is not None)
         return head

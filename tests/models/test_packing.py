@@ -48,13 +48,15 @@ def test_packed_tensors_hold_the_layers_weights_and_the_modules_read_views_of_th
         assert a.v_proj.weight.shape == (v, lm.hidden_size)
 
 
-@pytest.mark.parametrize("compile", ["off", "default"])
-def test_a_packed_model_scores_as_it_did_as_loaded(checkpoint, compile):
+@pytest.mark.parametrize("pack, compile", [(True, "off"), (True, "default"), ("tiled", "default")])
+def test_a_packed_model_scores_as_it_did_as_loaded(checkpoint, pack, compile):
     """The eager path multiplies a projection at a time by the views, the compiled one by the
-    packed tensors (q, k and v in one product): both score like the model as loaded."""
-    packed = load_model(checkpoint, pack=True, compile=compile)
+    packed tensors (q, k and v in one product), or by their tiles through the tiled kernel: each
+    scores like the model as loaded."""
+    packed = load_model(checkpoint, pack=pack, compile=compile)
     loaded = load_model(checkpoint, pack=False)
     assert packed.lean.packed is not None and loaded.lean.packed is None
+    assert all((p.tiles is not None) == (pack == "tiled") for p in packed.lean.packed)
     layout, cache, _ = prefilled(packed)
     _, loaded_cache, _ = prefilled(loaded)
     for k in (1, 4, 9):
@@ -66,12 +68,13 @@ def test_a_packed_model_scores_as_it_did_as_loaded(checkpoint, compile):
             assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_a_packed_compiled_model_decodes_the_eager_paths_tokens():
-    """The toy target packed and compiled (the fused products) against itself as loaded, eager:
-    the same greedy tokens, up to 64."""
+@pytest.mark.parametrize("pack", [True, "tiled"])
+def test_a_packed_compiled_model_decodes_the_eager_paths_tokens(pack):
+    """The toy target packed (or tiled) and compiled (the fused products) against itself as
+    loaded, eager: the same greedy tokens, up to 64."""
     from zoo.train.data import example
 
-    compiled = load_model("zoo/weights/qwen-target", compile="default", pack=True)
+    compiled = load_model("zoo/weights/qwen-target", compile="default", pack=pack)
     eager = load_model("zoo/weights/qwen-target", pack=False)
     ex = example(5, 30, 2)
     answers = []
@@ -98,8 +101,17 @@ def test_auto_measures_once_per_shape_then_reads_its_choice(checkpoint, tmp_path
     assert (again.lean.packed is not None) == (choice["layout"] == "packed")
 
 
+def test_the_measurement_offers_tiles_to_fused_products_only(checkpoint):
+    lm = load_model(checkpoint, pack=False)
+    sample = packing.packed_layers(lm.text)[:2]
+    assert set(packing.products_ms(lm.text, sample, fused=True, rounds=1)) == {"as_loaded", "packed", "tiled"}
+    assert set(packing.products_ms(lm.text, sample, fused=False, rounds=1)) == {"as_loaded", "packed"}
+
+
 def test_packing_is_in_the_runs_records_and_bad_settings_are_refused(checkpoint):
     load_model(checkpoint, pack=True)
     assert any(r["what"].endswith("weights") and r["mode"] == "on" for r in compile_records())
     with pytest.raises(ModelError, match="pack"):
         load_model(checkpoint, pack="yes")
+    with pytest.raises(ModelError, match="tiled serves the compiled steps"):
+        load_model(checkpoint, pack="tiled")            # compile off: nothing would multiply by the tiles

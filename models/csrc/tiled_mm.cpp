@@ -1,0 +1,100 @@
+// A product of a few rows by a weight stored in column tiles: out = x · W (+ bias), for decode
+// steps and verifications on the CPU (models/tiled.py says why and how it is used).
+//
+//   x      [n, K] float32 (any n; steps have 1 to a few dozen rows)
+//   tiles  [N / 32, K, 32] float32: W [K, N] cut into 32-column tiles, each stored whole, so a
+//          tile is one contiguous stream of K × 32 floats
+//   bias   [N] float32 or none
+//   -> out [n, N]
+//
+// Each tile's accumulators (up to 8 rows × 32 columns: 16 vector registers of 16 floats) stay in
+// registers while the tile streams through once; more rows run in balanced chunks of at most 8,
+// the tile then coming from the core's L2. Tiles are shared out among torch's threads.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+namespace {
+
+typedef float vec16 __attribute__((vector_size(64), aligned(4)));   // 16 floats, unaligned loads allowed
+constexpr int64_t TILE = 32;
+constexpr int MAX_ROWS = 8;
+
+template <int R>
+inline void tile_rows(const float* __restrict x, int64_t K, const float* __restrict tile, const float* bias,
+                      float* __restrict out, int64_t ldo) {
+  vec16 acc[R][2];
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = bias ? *(const vec16*)bias : vec16{};
+    acc[r][1] = bias ? *(const vec16*)(bias + 16) : vec16{};
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const vec16 w0 = *(const vec16*)(tile + k * TILE), w1 = *(const vec16*)(tile + k * TILE + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float xr = x[r * K + k];
+      acc[r][0] += xr * w0;
+      acc[r][1] += xr * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    *(vec16*)(out + r * ldo) = acc[r][0];
+    *(vec16*)(out + r * ldo + 16) = acc[r][1];
+  }
+}
+
+void chunk(int rows, const float* x, int64_t K, const float* tile, const float* bias, float* out, int64_t ldo) {
+  switch (rows) {
+    case 8: tile_rows<8>(x, K, tile, bias, out, ldo); break;
+    case 7: tile_rows<7>(x, K, tile, bias, out, ldo); break;
+    case 6: tile_rows<6>(x, K, tile, bias, out, ldo); break;
+    case 5: tile_rows<5>(x, K, tile, bias, out, ldo); break;
+    case 4: tile_rows<4>(x, K, tile, bias, out, ldo); break;
+    case 3: tile_rows<3>(x, K, tile, bias, out, ldo); break;
+    case 2: tile_rows<2>(x, K, tile, bias, out, ldo); break;
+    case 1: tile_rows<1>(x, K, tile, bias, out, ldo); break;
+    default: break;
+  }
+}
+
+at::Tensor tiled_mm(const at::Tensor& x_in, const at::Tensor& tiles_in, const c10::optional<at::Tensor>& bias_in) {
+  TORCH_CHECK(x_in.dim() == 2 && tiles_in.dim() == 3 && tiles_in.size(2) == TILE,
+              "tiled_mm: x [n, K] and tiles [N/32, K, 32], got ", x_in.sizes(), " and ", tiles_in.sizes());
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && tiles_in.scalar_type() == at::kFloat, "tiled_mm: float32 only");
+  TORCH_CHECK(x_in.size(1) == tiles_in.size(1), "tiled_mm: x has ", x_in.size(1), " columns, the tiles ", tiles_in.size(1), " rows");
+  const at::Tensor x = x_in.contiguous(), tiles = tiles_in.contiguous();
+  const int64_t n = x.size(0), K = x.size(1), n_tiles = tiles.size(0), N = n_tiles * TILE;
+  at::Tensor bias;
+  if (bias_in.has_value()) {
+    bias = bias_in->contiguous();
+    TORCH_CHECK(bias.numel() == N && bias.scalar_type() == at::kFloat, "tiled_mm: bias of ", N, " float32 values");
+  }
+  at::Tensor out = at::empty({n, N}, x.options());
+  if (n == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const float* tp = tiles.data_ptr<float>();
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t chunks = (n + MAX_ROWS - 1) / MAX_ROWS, base = n / chunks, longer = n % chunks;
+  at::parallel_for(0, n_tiles, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      int64_t row = 0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int rows = static_cast<int>(base + (c < longer ? 1 : 0));
+        chunk(rows, xp + row * K, K, tp + t * K * TILE, bp ? bp + t * TILE : nullptr, op + row * N + t * TILE, N);
+        row += rows;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(reelflow_tiled, m) {
+  m.def("tiled_mm(Tensor x, Tensor tiles, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(reelflow_tiled, CPU, m) {
+  m.impl("tiled_mm", &tiled_mm);
+}
