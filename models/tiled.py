@@ -1,6 +1,6 @@
 """Weights in column tiles for products of a few rows on the CPU, and the kernel that reads them.
 
-    if tiled.available():                      # builds the kernel once per machine (about 30 s)
+    if tiled.available():                      # builds reelflow's CPU kernels once per machine (models.cpu_kernels)
         tiles = tiled.tile(w)                  # w [K, N] -> [ceil(N / 32), K, 32]
         out = tiled.product(x, tiles, bias, n) # x [rows, K] -> x · w + bias, [rows, N]
 
@@ -15,70 +15,46 @@ The tiles are a copy beside the model's own weights (which prefill and the eager
 reading), so `pack: tiled` holds the decoder layers' weights twice; models.load's `pack: auto`
 takes it only where it measures faster. The kernel is a torch operator
 (`torch.ops.reelflow_tiled.tiled_mm`) with a shape function, so torch.compile calls it from a
-compiled step as it calls MKL. It sums each output over K in order, a float32 rounding apart from
-MKL's blocking, as the compiled steps already are.
+compiled step as it calls MKL (models.cpu_kernels builds it). It sums each output over K in
+order, a float32 rounding apart from MKL's blocking, as the compiled steps already are.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import time
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger("reelflow.models")
-
 TILE = 32                       # columns a tile holds (two 16-float vectors)
-SOURCE = Path(__file__).parent / "csrc" / "tiled_mm.cpp"
-
-
-def _machine_tag() -> str:
-    """The build is for this CPU (-march=native): the extension's name carries its flags, so a
-    cache directory shared by different machines never hands one another's build."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha1((flags + SOURCE.read_text()).encode()).hexdigest()[:10]
 
 
 @functools.cache
-def _build() -> str | None:
-    """Build and load the kernel once per process (torch's extension cache keeps the build across
-    processes). Returns None when it loaded, else why it could not."""
-    from torch.utils import cpp_extension
-
-    started = time.perf_counter()
-    try:
-        cpp_extension.load(f"reelflow_tiled_{_machine_tag()}", [str(SOURCE)], is_python_module=False,
-                           extra_cflags=["-O3", "-march=native"], verbose=False)
-    except Exception as e:          # no compiler, no ninja, an unsupported CPU: the packed layout stays
-        log.warning("the tiled product kernel did not build (%s); pack: tiled is unavailable", e)
-        return f"{type(e).__name__}: {e}"
-    seconds = time.perf_counter() - started
-    if seconds > 2:
-        log.info("built the tiled product kernel in %.1f s (once per machine)", seconds)
+def _register_shape() -> None:
+    """The operator's shape function, for torch.compile's tracing (once the kernel is loaded)."""
     torch.library.register_fake("reelflow_tiled::tiled_mm")(_shape)
-    return None
 
 
 def _shape(x: torch.Tensor, tiles: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """What the operator returns, for torch.compile's tracing: [rows, tiles × 32]."""
+    """What the operator returns: [rows, tiles × 32]."""
     return x.new_empty(x.shape[0], tiles.shape[0] * tiles.shape[2])
 
 
 def available() -> bool:
-    """Whether the kernel is built and loaded here (building it on first call)."""
-    return _build() is None
+    """Whether the kernel is built and loaded here (models.cpu_kernels builds it on first call).
+    Ask before multiplying: `product` calls the operator this loads."""
+    from models import cpu_kernels
+
+    if not cpu_kernels.available():
+        return False
+    _register_shape()
+    return True
 
 
 def unavailable_reason() -> str | None:
     """Why the kernel did not build, or None when it did."""
-    return _build()
+    from models import cpu_kernels
+
+    return cpu_kernels.unavailable_reason()
 
 
 def tile(weight: torch.Tensor) -> torch.Tensor:

@@ -115,3 +115,14 @@ def test_packing_is_in_the_runs_records_and_bad_settings_are_refused(checkpoint)
         load_model(checkpoint, pack="yes")
     with pytest.raises(ModelError, match="tiled serves the compiled steps"):
         load_model(checkpoint, pack="tiled")            # compile off: nothing would multiply by the tiles
+
+
+def test_without_the_kernel_auto_keeps_to_the_torch_layouts_and_tiled_says_why(checkpoint, monkeypatch):
+    from models import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "_build", lambda: "no C++ compiler here")
+    lm = load_model(checkpoint, pack=False)
+    sample = packing.packed_layers(lm.text)[:1]
+    assert set(packing.products_ms(lm.text, sample, fused=True, rounds=1)) == {"as_loaded", "packed"}
+    with pytest.raises(ModelError, match="no C\\+\\+ compiler here"):
+        load_model(checkpoint, pack="tiled", compile="default")

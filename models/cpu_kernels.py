@@ -1,0 +1,65 @@
+"""reelflow's C++ kernels for the CPU (models/csrc/*.cpp), built once per machine by torch's
+extension loader as torch operators; each user module gives its operator's shape function, so
+torch.compile calls them from a compiled step as it calls MKL:
+
+    torch.ops.reelflow_tiled.tiled_mm        models.tiled: products of a few rows
+
+    if cpu_kernels.available(): ...          # builds them on first call (about 30 s), else says why not
+
+They are built with -march=native for the CPU at hand; the build's name carries the CPU's flags
+and the sources' hash, so a cache directory shared by different machines never hands one
+another's build. Without a C++ compiler (which torch.compile needs on the CPU too) they are
+unavailable and every caller keeps its torch path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import time
+from pathlib import Path
+
+log = logging.getLogger("reelflow.models")
+
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+
+
+def _machine_tag() -> str:
+    """What the build is for: this CPU's flags (-march=native) and the sources."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    text = flags + "".join(p.read_text() for p in SOURCES)
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+@functools.cache
+def _build() -> str | None:
+    """Build and load the kernels once per process (torch's extension cache keeps the build across
+    processes). Returns None when they loaded, else why they could not."""
+    from torch.utils import cpp_extension
+
+    started = time.perf_counter()
+    try:
+        cpp_extension.load(f"reelflow_cpu_{_machine_tag()}", [str(p) for p in SOURCES], is_python_module=False,
+                           extra_cflags=["-O3", "-march=native"], verbose=False)
+    except Exception as e:          # no compiler, no ninja, an unsupported CPU: the torch paths stay
+        log.warning("reelflow's CPU kernels did not build (%s); the torch paths stay", e)
+        return f"{type(e).__name__}: {e}"
+    seconds = time.perf_counter() - started
+    if seconds > 2:
+        log.info("built reelflow's CPU kernels in %.1f s (once per machine)", seconds)
+    return None
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded here (building them on first call)."""
+    return _build() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels did not build, or None when they did."""
+    return _build()
