@@ -19,6 +19,9 @@ Two ways to use the packed tensors (models.lean): the eager lean path keeps one 
 projection, now over the views, so its results stay bit-identical to the model's own forward;
 the compiled step multiplies by the packed tensors themselves (three products become one), which
 sums the same terms in another blocking: a float32 rounding apart, as the compiled step already is.
+With `pack: tiled` the packed tensors also get a copy in column tiles (`with_tiles`), and the
+compiled step's products go through reelflow's kernel for few rows (models.tiled), which MKL runs
+far below the core's peak.
 """
 
 from __future__ import annotations
