@@ -99,11 +99,14 @@ def _pack(lm, pack, *, fused: bool) -> None:
         qwen2_projections,
         rebind_layers,
         shape_key,
+        layers_bytes,
         tiles_apply,
         with_tiles,
     )
     from models.tiled import unavailable_reason
 
+    extra, room = layers_bytes(lm.text), _available_memory()
+    tiles_fit = room is None or extra <= room // 2          # the tiles copy the layers: leave half of what is free
     if pack == "tiled":
         weight = lm.text.layers[0].self_attn.q_proj.weight
         if not tiles_apply(weight):
@@ -111,18 +114,25 @@ def _pack(lm, pack, *, fused: bool) -> None:
             raise ModelError(f"pack=tiled needs float32 weights on the CPU and the tiled kernel: {why}")
         if not fused:
             raise ModelError("pack=tiled serves the compiled steps' products: set compile (default or auto) too")
+        if not tiles_fit:
+            raise ModelError(f"pack=tiled copies the decoder layers ({extra / 2**30:.1f} GiB) and this machine has "
+                             f"{room / 2**30:.1f} GiB available: use pack=true (packed in place) or false")
     if pack is False or (pack == "auto" and lm.device.type != "cpu"):
         return
     started = time.perf_counter()
     if pack == "auto":
         form = "fused" if fused else "a product each"
         key = f"{shape_key(lm.text)} | {form} | {lm.dtype} | {_cpu_name() or 'cpu'}, {torch.get_num_threads()} threads"
-        if fused and tiles_apply(lm.text.layers[0].self_attn.q_proj.weight):
+        offer_tiles = fused and tiles_fit and tiles_apply(lm.text.layers[0].self_attn.q_proj.weight)
+        if offer_tiles:
             key += " | tiled kernel"           # a choice made before the kernel could be one does not hold
+        elif fused and not tiles_fit:
+            log.info("pack auto: the decoder layers' tiles (%.1f GiB) would not fit beside what is free (%.1f GiB); "
+                     "choosing between as loaded and packed", extra / 2**30, room / 2**30)
 
         def measure():                # on copies of the first few layers, dropped after
             sample = [packed_copy(qwen2_projections(layer)) for layer in list(lm.text.layers)[:MEASURED_LAYERS]]
-            return products_ms(lm.text, sample, fused=fused)
+            return products_ms(lm.text, sample, fused=fused, tiles=offer_tiles)
 
         layout = remembered(CHOICES_FILE, f"{key} | torch {torch.__version__}", "layout", measure, "pack auto",
                             f"the decoder layers' products for 1 and 8 rows, {form}")
@@ -138,6 +148,16 @@ def _pack(lm, pack, *, fused: bool) -> None:
     lm.lean.packed = layers
     record_compile(f"{lm.name} weights", "auto" if pack == "auto" else "on", time.perf_counter() - started,
                    done="packed and tiled" if layout == "tiled" else "packed")
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux's MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            line = next((row for row in f if row.startswith("MemAvailable:")), None)
+    except OSError:
+        return None
+    return int(line.split()[1]) * 1024 if line else None
 
 
 def _machine_key(path: str, lm) -> str:

@@ -124,6 +124,11 @@ def with_tiles(p: PackedLayer) -> PackedLayer:
     return dataclasses.replace(p, tiles=tiles)
 
 
+def layers_bytes(text_model) -> int:
+    """Bytes of the decoder layers' weights: what their tiles add (with_tiles holds a copy)."""
+    return sum(p.numel() * p.element_size() for p in text_model.layers.parameters())
+
+
 def tiles_apply(weight: torch.Tensor) -> bool:
     """Whether the tiled kernel serves weights like this one: float32 on the CPU, kernel built."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and tiled.available()
@@ -227,13 +232,13 @@ def _loaded_products(h: torch.Tensor, layer) -> torch.Tensor:
 
 @torch.inference_mode()
 def products_ms(text_model, packed: list[PackedLayer], *, fused: bool, rows: tuple[int, ...] = (1, 8),
-                rounds: int = 20) -> dict[str, float]:
+                rounds: int = 20, tiles: bool = True) -> dict[str, float]:
     """Milliseconds of the weight products of the first len(packed) layers (`packed` their copies)
     over `rows`-row inputs (a step and an 8-token verification), as loaded (a product each) and
     packed (fused: the compiled step's three products, else a product each over the packed
-    views), and with fused products tiled too where the tiled kernel runs (float32 on the CPU);
-    interleaved round by round; medians. The attention between them is left out: it is the same
-    every way."""
+    views), and with fused products tiled too where the tiled kernel runs (float32 on the CPU) and
+    `tiles` allows; interleaved round by round; medians. The attention between them is left out:
+    it is the same every way."""
     first = text_model.layers[0].self_attn.q_proj.weight
     hidden = first.shape[1]
     inputs = [torch.randn(n, hidden, device=first.device, dtype=first.dtype) for n in rows]
@@ -243,7 +248,7 @@ def products_ms(text_model, packed: list[PackedLayer], *, fused: bool, rows: tup
     ways = {"as_loaded": lambda h: [_loaded_products(h, layer) for layer in loaded],
             "packed": lambda h: ([_fused_products(h, p) for p in packed] if fused
                                  else [_products_each(h, w) for w in laid])}
-    if fused and tiles_apply(first):
+    if fused and tiles and tiles_apply(first):
         tiled_layers = [with_tiles(p) for p in packed]
         ways["tiled"] = lambda h: [_fused_products(h, p) for p in tiled_layers]
     times: dict[str, list[float]] = {way: [] for way in ways}

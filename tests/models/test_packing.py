@@ -126,3 +126,25 @@ def test_without_the_kernel_auto_keeps_to_the_torch_layouts_and_tiled_says_why(c
     assert set(packing.products_ms(lm.text, sample, fused=True, rounds=1)) == {"as_loaded", "packed"}
     with pytest.raises(ModelError, match="no C\\+\\+ compiler here"):
         load_model(checkpoint, pack="tiled", compile="default")
+
+
+def test_tiles_that_would_not_fit_in_memory_are_neither_offered_nor_made(checkpoint, tmp_path, monkeypatch):
+    """The tiles copy the decoder layers: with less than twice their bytes free, auto chooses
+    between as loaded and packed, and pack=tiled is refused with the sizes."""
+    from models import load
+
+    monkeypatch.setenv("REELFLOW_CACHE", str(tmp_path))
+    layers = packing.layers_bytes(load_model(checkpoint, pack=False).text)
+    monkeypatch.setattr(load, "_available_memory", lambda: layers)
+    seen = {}
+    real = packing.products_ms
+
+    def spy(*a, **k):
+        seen.update(k)
+        return real(*a, **k)
+
+    monkeypatch.setattr(packing, "products_ms", spy)
+    lm = load_model(checkpoint, pack="auto", compile="default")
+    assert seen["tiles"] is False and all(p.tiles is None for p in (lm.lean.packed or []))
+    with pytest.raises(ModelError, match="copies the decoder layers"):
+        load_model(checkpoint, pack="tiled", compile="default")
