@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -42,6 +44,11 @@ def _build() -> str | None:
     processes). Returns None when they loaded, else why they could not."""
     from torch.utils import cpp_extension
 
+    # the loader runs `ninja` from PATH: the one pip put beside this interpreter counts too, for a
+    # virtualenv's python run without activating it
+    scripts = str(Path(sys.executable).parent)
+    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([scripts, os.environ.get("PATH", "")])
     started = time.perf_counter()
     try:
         cpp_extension.load(f"reelflow_cpu_{_machine_tag()}", [str(p) for p in SOURCES], is_python_module=False,
