@@ -93,13 +93,13 @@ def _pack(lm, pack, *, fused: bool) -> None:
     from models.packing import (
         CHOICES_FILE,
         MEASURED_LAYERS,
+        layers_bytes,
         packed_copy,
         packed_layers,
         products_ms,
         qwen2_projections,
         rebind_layers,
         shape_key,
-        layers_bytes,
         tiles_apply,
         with_tiles,
     )

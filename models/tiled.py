@@ -13,7 +13,7 @@ what one did, and eight or more rows ran at 80-90 GFLOP/s, the core's arithmetic
 
 The tiles are a copy beside the model's own weights (which prefill and the eager path keep
 reading), so `pack: tiled` holds the decoder layers' weights twice; models.load's `pack: auto`
-takes it only where it measures faster. The kernel is a torch operator
+takes it only where it measures faster and the copy fits in half of the free memory. The kernel is a torch operator
 (`torch.ops.reelflow_tiled.tiled_mm`) with a shape function, so torch.compile calls it from a
 compiled step as it calls MKL (models.cpu_kernels builds it). It sums each output over K in
 order, a float32 rounding apart from MKL's blocking, as the compiled steps already are.
