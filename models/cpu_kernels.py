@@ -25,16 +25,20 @@ from pathlib import Path
 log = logging.getLogger("reelflow.models")
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+# -fopenmp: at::parallel_for is a header template; compiled without OpenMP its `omp parallel` is
+# dropped and every kernel runs on one thread whatever torch.get_num_threads() says
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 def _machine_tag() -> str:
-    """What the build is for: this CPU's flags (-march=native) and the sources."""
+    """What the build is for: this CPU's flags (-march=native), the compiler flags and the sources."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    text = flags + "".join(p.read_text() for p in SOURCES)
+    text = flags + " ".join(CFLAGS + LDFLAGS) + "".join(p.read_text() for p in SOURCES)
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
@@ -51,8 +55,8 @@ def _build() -> str | None:
         os.environ["PATH"] = os.pathsep.join([scripts, os.environ.get("PATH", "")])
     started = time.perf_counter()
     try:
-        cpp_extension.load(f"reelflow_cpu_{_machine_tag()}", [str(p) for p in SOURCES], is_python_module=False,
-                           extra_cflags=["-O3", "-march=native"], verbose=False)
+        cpp_extension.load(build_tag(), [str(p) for p in SOURCES], is_python_module=False,
+                           extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
     except Exception as e:          # no compiler, no ninja, an unsupported CPU: the torch paths stay
         log.warning("reelflow's CPU kernels did not build (%s); the torch paths stay", e)
         return f"{type(e).__name__}: {e}"
@@ -60,6 +64,12 @@ def _build() -> str | None:
     if seconds > 2:
         log.info("built reelflow's CPU kernels in %.1f s (once per machine)", seconds)
     return None
+
+
+def build_tag() -> str:
+    """The kernels' build name: what a choice measured with them holds for (it changes with the
+    CPU, the compiler flags and the sources)."""
+    return f"reelflow_cpu_{_machine_tag()}"
 
 
 def available() -> bool:

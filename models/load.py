@@ -87,6 +87,7 @@ def _pack(lm, pack, *, fused: bool) -> None:
     once for the layers' shapes on this CPU and remembered (the weights' values do not matter,
     only their shapes). On a GPU auto leaves them as loaded: a GPU's kernels read either layout at
     the same pace."""
+    from models import cpu_kernels
     from models.compile_auto import remembered
     from models.compiling import record_compile
     from models.lean import LeanDecoder
@@ -125,7 +126,8 @@ def _pack(lm, pack, *, fused: bool) -> None:
         key = f"{shape_key(lm.text)} | {form} | {lm.dtype} | {_cpu_name() or 'cpu'}, {torch.get_num_threads()} threads"
         offer_tiles = fused and tiles_fit and tiles_apply(lm.text.layers[0].self_attn.q_proj.weight)
         if offer_tiles:
-            key += " | tiled kernel"           # a choice made before the kernel could be one does not hold
+            # a choice made before the kernel could be one, or with another build of it, does not hold
+            key += f" | tiled kernel {cpu_kernels.build_tag()}"
         elif fused and not tiles_fit:
             log.info("pack auto: the decoder layers' tiles (%.1f GiB) would not fit beside what is free (%.1f GiB); "
                      "choosing between as loaded and packed", extra / 2**30, room / 2**30)

@@ -11,6 +11,8 @@
 // registers while the tile streams through once; more rows run in balanced chunks of at most 8,
 // the tile then coming from the core's L2. Tiles are shared out among torch's threads.
 #include <ATen/Parallel.h>
+#include <atomic>
+#include <vector>
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
@@ -89,10 +91,21 @@ at::Tensor tiled_mm(const at::Tensor& x_in, const at::Tensor& tiles_in, const c1
   return out;
 }
 
+// How many of torch's threads at::parallel_for hands `tasks` one-task pieces to: what the build's
+// OpenMP gives the kernel above (a build without it runs every piece on the calling thread).
+int64_t parallel_threads(int64_t tasks) {
+  std::vector<std::atomic<bool>> seen(at::get_num_threads());
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = true; });
+  int64_t count = 0;
+  for (const auto& s : seen) count += s ? 1 : 0;
+  return count;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(reelflow_tiled, m) {
   m.def("tiled_mm(Tensor x, Tensor tiles, Tensor? bias) -> Tensor");
+  m.def("parallel_threads(int tasks) -> int", &parallel_threads);
 }
 
 TORCH_LIBRARY_IMPL(reelflow_tiled, CPU, m) {

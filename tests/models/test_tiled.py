@@ -70,6 +70,19 @@ def test_each_output_is_summed_in_one_order_whatever_the_thread_count():
     assert torch.equal(one, two)
 
 
+def test_the_kernels_are_built_with_openmp_so_torch_threads_share_the_tiles():
+    """Built without OpenMP, at::parallel_for runs every piece on the calling thread: the kernel
+    would be bitwise the same at any thread count above, and never faster with two."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.ops.reelflow_tiled.parallel_threads(64) == 2
+        torch.set_num_threads(1)
+        assert torch.ops.reelflow_tiled.parallel_threads(64) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bad_inputs_are_refused_with_the_shapes():
     tiles = tiled.tile(torch.randn(64, 32))
     with pytest.raises(RuntimeError, match="x has 63 columns"):
