@@ -17,16 +17,17 @@ among themselves with their small mask. No mask of new tokens × context is ever
 prefix stays read-only. Its results differ from the eager lean path (models.lean, the exact
 reference) by float32 rounding: the same terms, summed in another order.
 
-Compiled with dynamic shapes, so one compile serves every cache length and every number of new
-tokens above one (torch specialises a dimension of size 1, so a one-token step is a second
-compile); inductor's on-disk cache spares later processes most of the compile time.
+Compiled with the token count and the prefix lengths symbolic (models.compiling.compiled), so one
+compile serves every cache length and every number of new tokens above one (torch specialises a
+dimension of size 1, so a one-token step is a second compile); inductor's on-disk cache spares
+later processes most of the compile time.
 """
 
 from __future__ import annotations
 
 import torch
 
-from models.compiling import call_at_warmed_threads, private_copy, thread_counts, warm_at_thread_counts
+from models.compiling import call_at_warmed_threads, compiled, thread_counts, varying, warm_at_thread_counts
 
 MODES = ("off", "default", "max-autotune-no-cudagraphs")   # model.<role>.compile, besides "auto" and the captured
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -75,11 +76,20 @@ class CompiledStep:
         if mode not in MODES or mode == "off":
             raise ValueError(f"compile={mode!r}: one of {', '.join(MODES)}")
         self.lean, self.mode = lean, mode
-        self._fn = torch.compile(private_copy(layers_step), dynamic=True, mode=None if mode == "default" else mode)
+        self._fn = compiled(layers_step, mode)
         self.threads: tuple[int, ...] = (torch.get_num_threads(),)       # what warm compiled for
 
     def __call__(self, embeds, cos, sin, prefix_k, prefix_v, mask):
-        return call_at_warmed_threads(self._fn, self.threads, self.lean, embeds, cos, sin, prefix_k, prefix_v, mask)
+        return call_at_warmed_threads(self._fn, self.threads, *self._marked(embeds, cos, sin, prefix_k, prefix_v, mask))
+
+    def _marked(self, embeds, cos, sin, prefix_k, prefix_v, mask) -> tuple:
+        """The compiled function's arguments, with what changes between calls marked: the token
+        count and each layer's prefix length."""
+        for t in (embeds, cos, sin):
+            varying(t, 0)
+        for t in (*prefix_k, *prefix_v):
+            varying(t, 1)
+        return self.lean, embeds, cos, sin, prefix_k, prefix_v, varying(mask, 0, 1)
 
     def run(self, cache, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             among: torch.Tensor) -> torch.Tensor:
@@ -107,9 +117,9 @@ class CompiledStep:
 
         def one_and_several_tokens():
             for n in (1, 2):
-                self._fn(lean, torch.zeros(n, hidden, device=device, dtype=dtype),
-                         torch.ones(n, lean.head_dim, device=device, dtype=dtype),
-                         torch.zeros(n, lean.head_dim, device=device, dtype=dtype), prefix_k, prefix_v,
-                         torch.ones(n, n, dtype=torch.bool, device=device).tril())
+                self._fn(*self._marked(torch.zeros(n, hidden, device=device, dtype=dtype),
+                                       torch.ones(n, lean.head_dim, device=device, dtype=dtype),
+                                       torch.zeros(n, lean.head_dim, device=device, dtype=dtype), prefix_k, prefix_v,
+                                       torch.ones(n, n, dtype=torch.bool, device=device).tril()))
 
         return warm_at_thread_counts(self.threads, one_and_several_tokens, f"{name} lean step", self.mode)

@@ -22,8 +22,9 @@ float32 rounding only (models.compiled_step: the same terms summed in another or
 may draft another token. The target's verification decides what is committed either way: the
 answer stays the target's own.
 
-Compiled with dynamic shapes: one compile serves every cache length; P = 1 and P ≥ 2 are the two
-compiles (torch specialises a dimension of size 1). `steps` is fixed per chain.
+Compiled with the cache length and P symbolic (models.compiling.compiled): one compile serves
+every cache length; P = 1 and P ≥ 2 are the two compiles (torch specialises a dimension of size 1).
+`steps` is fixed per chain.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from models.compiled_step import MODES, split_attention
-from models.compiling import call_at_warmed_threads, private_copy, thread_counts, warm_at_thread_counts
+from models.compiling import call_at_warmed_threads, compiled, thread_counts, varying, warm_at_thread_counts
 
 
 def greedy_chain(lean, embed: torch.Tensor, head: torch.Tensor, head_bias: torch.Tensor | None, pending: torch.Tensor,
@@ -80,15 +81,22 @@ class DraftChain:
         if steps < 1:
             raise ValueError(f"steps must be ≥ 1, got {steps}")
         self.lm, self.steps, self.vocab, self.mode = lm, steps, vocab, mode
-        self._fn = torch.compile(private_copy(greedy_chain), dynamic=True,
-                                 mode=None if mode == "default" else mode)
+        self._fn = compiled(greedy_chain, mode)
         self.threads: tuple[int, ...] = (torch.get_num_threads(),)
 
     def _call(self, pending, cos, sin, prefix_k, prefix_v):
+        return call_at_warmed_threads(self._fn, self.threads, *self._marked(pending, cos, sin, prefix_k, prefix_v))
+
+    def _marked(self, pending, cos, sin, prefix_k, prefix_v) -> tuple:
+        """The compiled function's arguments, with what changes between calls marked: the count
+        of pending tokens and each layer's prefix length."""
         lm = self.lm
-        head = lm.lm_head
-        return call_at_warmed_threads(self._fn, self.threads, lm.lean, lm.text.embed_tokens.weight, head.weight,
-                                      head.bias, pending, cos, sin, prefix_k, prefix_v, self.steps, self.vocab)
+        for t in (pending, cos, sin):
+            varying(t, 0)
+        for t in (*prefix_k, *prefix_v):
+            varying(t, 1)
+        return (lm.lean, lm.text.embed_tokens.weight, lm.lm_head.weight, lm.lm_head.bias, pending, cos, sin,
+                prefix_k, prefix_v, self.steps, self.vocab)
 
     @torch.inference_mode()
     def run(self, cache, pending: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,9 +136,8 @@ class DraftChain:
         def one_and_two_pending():
             for p in (1, 2):
                 cos, sin = lean._rotary(torch.arange(p + self.steps - 1), lean.final_norm)
-                self._fn(lm.lean, lm.text.embed_tokens.weight, lm.lm_head.weight, lm.lm_head.bias,
-                         torch.zeros(p, dtype=torch.long, device=lm.device), cos, sin, prefix_k, prefix_v,
-                         self.steps, self.vocab)
+                self._fn(*self._marked(torch.zeros(p, dtype=torch.long, device=lm.device), cos, sin, prefix_k,
+                                       prefix_v))
 
         return warm_at_thread_counts(self.threads, one_and_two_pending, f"{lm.name} draft chain of {self.steps}",
                                      self.mode)

@@ -25,8 +25,9 @@ import torch
 
 from models.compiling import (
     call_at_warmed_threads,
-    private_copy,
+    compiled,
     thread_counts,
+    varying,
     warm_at_thread_counts,
 )
 from models.sparrow import HeadCache, SparrowHead
@@ -61,18 +62,35 @@ def grower(mode: str, device="cpu"):
     mode (models.compiled_step.MODES), once per process, mode and device type, and called at a
     thread count it was warmed for (warm_tree: the counts of the first call, at load). The key
     holds no thread count: an elastic pool changes a worker's count between rounds, and a new key
-    would be a new compile in the middle of a request. Compiled with dynamic shapes, a tree shape
-    (depth, topk) is one compile that serves every cache length and position."""
+    would be a new compile in the middle of a request. The cache length and the position are
+    symbolic, so a tree shape (depth, topk) is one compile that serves every cache length and
+    position."""
     return grow_tree if mode == "off" else _compiled_once(grow_tree, mode, device)
 
 
+def _marked(fn, rows: bool):
+    """fn(head, lm, keys, values, *tensors, position) -> fn with the head's cache length marked
+    varying, with rows: the first dimension of the further tensors too (catch_up_rows' rows), and
+    the int position as an int64 [1] tensor (an int that changes between calls would compile again)."""
+    def call(head, lm, keys, values, *rest, **shape):
+        *tensors, position = rest
+        if isinstance(position, int):
+            position = torch.tensor([position], device=keys.device)
+        if rows:
+            tensors = [varying(t, 0) for t in tensors]
+        return fn(head, lm, varying(keys, 1), varying(values, 1), *tensors, position, **shape)
+
+    return call
+
+
 def _compiled_once(fn, mode: str, device):
-    """fn compiled with dynamic shapes in `mode`, once per process, function, mode and device type,
-    called at the thread counts it is warmed for (see grower for why no thread count in the key)."""
+    """fn compiled in `mode` (models.compiling.compiled, with its varying sizes marked: _marked),
+    once per process, function, mode and device type, called at the thread counts it is warmed for
+    (see grower for why no thread count in the key)."""
     key = (fn.__name__, mode, torch.device(device).type)
     if key not in _COMPILED:
-        compiled = torch.compile(private_copy(fn), dynamic=True, mode=None if mode == "default" else mode)
-        _COMPILED[key] = functools.partial(call_at_warmed_threads, compiled, thread_counts(device))
+        run = _marked(compiled(fn, mode), rows=fn is catch_up_rows)
+        _COMPILED[key] = functools.partial(call_at_warmed_threads, run, thread_counts(device))
     return _COMPILED[key]
 
 
