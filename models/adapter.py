@@ -288,10 +288,17 @@ class VideoLM:
         return self.lm_head(hidden).float()
 
     def step_weight_bytes(self) -> int:
-        """Bytes of weights a forward of a few new tokens reads: every decoder layer, the final norm
-        and the LM head (the input embedding is a row lookup: left out)."""
+        """Bytes of weights a forward of a few new tokens must read: every decoder layer, the final
+        norm and the LM head (the input embedding is a row lookup: left out), each at the narrowest
+        width that holds it exactly: a float32 tensor of bfloat16 values (a bfloat16 checkpoint
+        loaded in float32) counts 2 bytes a weight, as the tiled kernel reads it (models.tiled)."""
         params = [*self.text.layers.parameters(), *self.text.norm.parameters(), self.lm_head.weight]
-        return int(sum(p.numel() * p.element_size() for p in params))
+
+        def width(p: torch.Tensor) -> int:
+            exact_bf16 = p.dtype == torch.float32 and torch.equal(p.detach().bfloat16().float(), p.detach())
+            return 2 if exact_bf16 else p.element_size()
+
+        return int(sum(p.numel() * width(p) for p in params))
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

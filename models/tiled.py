@@ -11,6 +11,9 @@ weight at 22 GB/s for one row and 7 GB/s for eight (33 GFLOP/s of its 80). The k
 while the tile streams through once, contiguous: one row ran at 37-52 GB/s there, five rows cost
 what one did, and eight or more rows ran at 80-90 GFLOP/s, the core's arithmetic peak.
 
+Weights that are bfloat16 values exactly (a bfloat16 checkpoint loaded in float32) are tiled in
+bfloat16 and widened in registers: the same products, bit for bit, from half the bytes.
+
 The tiles are a copy beside the model's own weights (which prefill and the eager path keep
 reading), so `pack: tiled` holds the decoder layers' weights twice; models.load's `pack: auto`
 takes it only where it measures faster and the copy fits in half of the free memory. The kernel is a torch operator
@@ -59,12 +62,28 @@ def unavailable_reason() -> str | None:
 
 def tile(weight: torch.Tensor) -> torch.Tensor:
     """weight [K, N] (laid out [in, out]) -> its tiles [ceil(N / 32), K, 32], contiguous; columns
-    past N are zeros."""
+    past N are zeros. In bfloat16 when every weight is a bfloat16 value exactly (a bfloat16
+    checkpoint loaded in float32, as the zoo's and most released ones are): the kernel widens each
+    back to the same float32, so the product is the float32 tiles' bit for bit, for half the bytes
+    a step streams. Otherwise float32."""
     k, n = weight.shape
     pad = -n % TILE
     if pad:
         weight = torch.cat([weight, weight.new_zeros(k, pad)], 1)
-    return weight.reshape(k, -1, TILE).permute(1, 0, 2).contiguous()
+    tiles = weight.reshape(k, -1, TILE).permute(1, 0, 2)
+    narrow = tiles.to(torch.bfloat16)
+    if not torch.equal(narrow.float(), tiles):
+        return tiles.contiguous()
+    return narrow[..., _lane_order(weight.device)].contiguous()
+
+
+@functools.cache
+def _lane_order(device: torch.device) -> torch.Tensor:
+    """Where a bfloat16 tile stores its 32 columns: the kernel widens them by interleaving with
+    zeros inside each 128-bit lane, which reads words 0-3, 8-11, 16-19, 24-27 as columns 0-15 and
+    words 4-7, 12-15, ... as columns 16-31; stored word p holds column order[p]."""
+    where = [(i // 4) * 8 + i % 4 for i in range(16)] + [(i // 4) * 8 + 4 + i % 4 for i in range(16)]
+    return torch.tensor(where, device=device).argsort()
 
 
 def tile_bias(bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -30,11 +30,17 @@ def test_step_bytes_count_layers_norm_head_and_cached_entries(tmp_path):
     cache = lm.new_cache()
     x = torch.randn(10, lm.text_config.hidden_size)
     lm.prefill(cache, x, torch.arange(10).expand(3, 10))
+    params = [*lm.text.layers.parameters(), *lm.text.norm.parameters(), lm.lm_head.weight]
+    with torch.no_grad():           # float32 values no bfloat16 holds (norms start at 1, biases at 0: both would)
+        for p in params:
+            p.copy_(torch.rand_like(p) + 1 + 2.0 ** -20)
     sizes = step_bytes(lm, cache)
-    layers = sum(p.numel() for p in lm.text.layers.parameters()) * 4
-    head = lm.lm_head.weight.numel() * 4
-    assert sizes["weight_bytes"] == layers + head + lm.text.norm.weight.numel() * 4
+    assert sizes["weight_bytes"] == sum(p.numel() for p in params) * 4
     assert sizes["cache_bytes"] == lm.cache_bytes(cache) == 2 * 2 * 1 * 64 * 10 * 4   # k, v x layers x kv heads x dim
+    with torch.no_grad():           # a bfloat16 checkpoint loaded in float32: every weight counts 2 bytes
+        for p in params:
+            p.copy_(p.bfloat16().float())
+    assert step_bytes(lm, cache)["weight_bytes"] == sum(p.numel() for p in params) * 2
 
 
 def test_step_cost_times_every_shape_and_leaves_the_cache_as_it_was(tmp_path):

@@ -1,5 +1,6 @@
 """The tiled product kernel (models.tiled): x · W + b for any row count, any width (padded to whole
-tiles), deterministic across thread counts, a torch operator that torch.compile calls without
+tiles; weights that are bfloat16 values tiled in bfloat16, with the float32 tiles' results bit for
+bit), deterministic across thread counts, a torch operator that torch.compile calls without
 breaking the graph or recompiling per row count.
 
 Tolerance: the kernel and the float64 reference sum the same K products in different orders, so
@@ -32,9 +33,9 @@ def assert_within_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, 
 
 
 def test_tiles_hold_the_weight_by_32_columns_with_zeros_past_its_width():
-    w = torch.arange(5 * 40, dtype=torch.float32).reshape(5, 40)
+    w = torch.arange(5 * 40, dtype=torch.float32).reshape(5, 40) + 1 / 1024     # not bfloat16 values
     t = tiled.tile(w)
-    assert t.shape == (2, 5, 32) and t.is_contiguous()
+    assert t.shape == (2, 5, 32) and t.is_contiguous() and t.dtype == torch.float32
     assert torch.equal(t[0], w[:, :32]) and torch.equal(t[1, :, :8], w[:, 32:]) and not t[1, :, 8:].any()
     assert tiled.tile_bias(torch.ones(40)).shape == (64,) and tiled.tile_bias(None) is None
 
@@ -47,6 +48,32 @@ def test_the_product_is_x_times_w_plus_b_for_any_rows_and_width(rows, k, n, bias
     b = torch.randn(n, generator=g) if bias else None
     got = tiled.product(x, tiled.tile(w), tiled.tile_bias(b), n)
     assert_within_rounding(got, x, w, b)
+
+
+def float32_tiles(w: torch.Tensor) -> torch.Tensor:
+    """tile() without its bfloat16 choice: the float32 tiles of w [K, N] (N a multiple of 32)."""
+    return w.reshape(w.shape[0], -1, tiled.TILE).permute(1, 0, 2).contiguous()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 30])
+def test_weights_that_are_bfloat16_values_tile_in_bfloat16_and_multiply_bit_for_bit(rows):
+    """A bfloat16 checkpoint loaded in float32: its tiles take half the bytes, and each weight is
+    widened back to the same float32, so the products equal the float32 tiles' exactly."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(256, 96, generator=g).bfloat16().float()
+    x, b = torch.randn(rows, 256, generator=g), torch.randn(96, generator=g)
+    narrow, wide = tiled.tile(w), float32_tiles(w)
+    assert narrow.dtype == torch.bfloat16 and narrow.shape == wide.shape
+    got = tiled.product(x, narrow, tiled.tile_bias(b), 96)
+    assert torch.equal(got, tiled.product(x, wide, tiled.tile_bias(b), 96))
+    assert_within_rounding(got, x, w, b)
+
+
+def test_one_weight_off_bfloat16_keeps_the_tiles_in_float32():
+    w = torch.randn(64, 32).bfloat16().float()
+    w[5, 7] += 2.0 ** -20 * w[5, 7].abs().clamp_min(1)         # no longer a bfloat16 value
+    assert tiled.tile(w).dtype == torch.float32
+    assert torch.equal(tiled.tile(w), float32_tiles(w))
 
 
 def test_no_rows_and_strided_rows():
@@ -87,8 +114,10 @@ def test_bad_inputs_are_refused_with_the_shapes():
     tiles = tiled.tile(torch.randn(64, 32))
     with pytest.raises(RuntimeError, match="x has 63 columns"):
         tiled.product(torch.randn(2, 63), tiles, None, 32)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="float32 rows only"):
         tiled.product(torch.randn(2, 64, dtype=torch.float64), tiles, None, 32)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 tiles"):
+        tiled.product(torch.randn(2, 64), tiles.half(), None, 32)
     with pytest.raises(RuntimeError, match="bias of 32"):
         tiled.product(torch.randn(2, 64), tiles, torch.randn(31), 32)
 
