@@ -44,6 +44,8 @@ from models.attention import grouped_attention
 from models.compiled_step import split_attention
 from models.lean import rms_norm, rotate
 from models.packing import PackedLayer, mlp_products, o_product, packed_copy, qkv_products, rebind, with_tiles
+from models.tiled import product as tiled_product
+from models.tiled import tile, tile_bias
 
 CONFIG_FILE, WEIGHTS_FILE = "sparrow.json", "head.safetensors"
 
@@ -95,6 +97,7 @@ class HeadCache:
 
 class SparrowHead(nn.Module):
     packed: PackedLayer | None = None        # the layer's projections packed (pack), as its target's are
+    fc_tiles: tuple | None = None            # the FC's weight and bias in column tiles (pack(tiled=True))
 
     def __init__(self, config: SparrowConfig):
         super().__init__()
@@ -116,7 +119,10 @@ class SparrowHead(nn.Module):
 
     def fuse(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """embeds, features [n, hidden] -> z [n, hidden] = FC(e ⊕ h)."""
-        return self.fc(torch.cat([embeds, features.to(embeds.dtype)], -1))
+        x = torch.cat([embeds, features.to(embeds.dtype)], -1)
+        if self.fc_tiles is not None:
+            return tiled_product(x, *self.fc_tiles, self.config.hidden)
+        return self.fc(x)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [n] (any integers, negative for a prefix before the text) -> cos, sin [n, head_dim]."""
@@ -177,13 +183,17 @@ class SparrowHead(nn.Module):
     def pack(self, tiled: bool = False) -> None:
         """Pack the layer's projections (models.packing: q, k, v in one [in, out] matrix, gate and
         up in one), the modules rebound as views of them; its drafting then multiplies by the
-        packed tensors (tiled: by their copy in column tiles, models.tiled). For a head on the CPU
+        packed tensors (tiled: by their copy in column tiles, models.tiled, the FC's too). For a head on the CPU
         beside a packed target (load)."""
         projections = {"q": self.q, "k": self.k, "v": self.v, "o": self.o, "gate": self.gate, "up": self.up,
                        "down": self.down}
         packed = packed_copy(projections)
         rebind(projections, packed)
         self.packed = with_tiles(packed) if tiled else packed
+        if tiled:      # the FC too: MKL multiplies by its [out, in] weight at a third of the tiles' pace here
+            with torch.no_grad():
+                self.fc_tiles = tuple(None if t is None else nn.Parameter(t, requires_grad=False)
+                                      for t in (tile(self.fc.weight.t()), tile_bias(self.fc.bias)))
 
     # ------------------------------------------------------------------------ files
 

@@ -74,16 +74,20 @@ def test_save_load_and_refusals(head, target, tmp_path):
         SparrowHead.load(tmp_path / "h", target)
 
 
+@pytest.mark.parametrize("pack", [True, "tiled"])
 @torch.no_grad()
-def test_a_head_loaded_beside_a_packed_target_is_packed_and_drafts_as_before(head, tmp_path):
-    """SparrowHead.load packs the head where its target is packed (models.packing): the same
-    outputs (another BLAS kernel: ATOL), whole and over rows, and it saves the same weights."""
+def test_a_head_loaded_beside_a_packed_target_is_packed_and_drafts_as_before(head, tmp_path, pack):
+    """SparrowHead.load packs the head where its target is packed (models.packing), and tiles it,
+    its FC too, where the target's are tiled: the same outputs (another kernel: ATOL), whole and
+    over rows, and it saves the same weights."""
     head.save(tmp_path / "h")
-    packed_target = load_model("zoo/weights/qwen-target", pack=True)
+    packed_target = load_model("zoo/weights/qwen-target", pack=pack, compile="default" if pack == "tiled" else "off")
     plain_target = load_model("zoo/weights/qwen-target", pack=False)
     packed, plain = SparrowHead.load(tmp_path / "h", packed_target), SparrowHead.load(tmp_path / "h", plain_target)
     assert packed.packed is not None and plain.packed is None
+    assert (packed.fc_tiles is not None) == (pack == "tiled") and plain.fc_tiles is None
     z = torch.randn(5, head.config.hidden)
+    torch.testing.assert_close(packed.fuse(z, z.flip(0)), plain.fuse(z, z.flip(0)), atol=ATOL, rtol=0)
     torch.testing.assert_close(packed(HeadCache.empty(packed), z, torch.arange(5)),
                                plain(HeadCache.empty(plain), z, torch.arange(5)), atol=ATOL, rtol=0)
     prefix_k, prefix_v = torch.randn(2, head.config.kv_heads, 6, head.config.head_dim)
