@@ -288,10 +288,11 @@ class VideoLM:
         return self.lm_head(hidden).float()
 
     def step_weight_bytes(self) -> int:
-        """Bytes of weights a forward of a few new tokens must read: every decoder layer, the final
-        norm and the LM head (the input embedding is a row lookup: left out), each at the narrowest
-        width that holds it exactly: a float32 tensor of bfloat16 values (a bfloat16 checkpoint
-        loaded in float32) counts 2 bytes a weight, as the tiled kernel reads it (models.tiled)."""
+        """Bytes of weights a forward of a few new tokens must read at least: every decoder layer,
+        the final norm and the LM head (the input embedding is a row lookup: left out), each at the
+        narrowest width that holds it exactly. A float32 tensor of bfloat16 values (a bfloat16
+        checkpoint loaded in float32) counts 2 bytes a weight: the decoder layers' tiles hold such
+        weights so (models.tiled); other paths read them at 4."""
         params = [*self.text.layers.parameters(), *self.text.norm.parameters(), self.lm_head.weight]
 
         def width(p: torch.Tensor) -> int:

@@ -59,7 +59,7 @@ def compiled(fn, mode: str):
     Why not dynamic=True: it makes every dimension of every argument symbolic, and every int
     attribute of an argument object too (a model's head count, head size, hidden size). Inductor's
     kernels then index with divisions by symbols and run scalar: on the toy target, gathering the
-    attention's output of an 11-token step took 0.2 ms a layer, the step's products together 0.13.
+    attention's output of an 11-token step took 82 µs a layer against 11.5 with constant sizes.
     With the model's sizes as constants the kernels vectorise; the cache length and the token count
     stay symbolic, so one compile still serves every length (and, as before, a dimension of size 1
     is its own compile)."""

@@ -84,9 +84,9 @@ def _pack(lm, pack, *, fused: bool) -> None:
     tiled for the compiled steps' products); "auto" on the CPU whichever of as loaded, packed and
     tiled the layers' products measure fastest in, in the form the steps will run (fused: the
     compiled step's, else one product a projection; tiles serve fused products only), measured
-    once for the layers' shapes on this CPU and remembered (the weights' values do not matter,
-    only their shapes). On a GPU auto leaves them as loaded: a GPU's kernels read either layout at
-    the same pace."""
+    once for the layers' shapes on this CPU and remembered (the weights' values do not matter, only
+    their shapes and whether they are bfloat16 values, which tiles hold in half the bytes). On a
+    GPU auto leaves them as loaded: a GPU's kernels read either layout at the same pace."""
     from models import cpu_kernels
     from models.compile_auto import remembered
     from models.compiling import record_compile
@@ -102,11 +102,14 @@ def _pack(lm, pack, *, fused: bool) -> None:
         rebind_layers,
         shape_key,
         tiles_apply,
+        tiles_width,
         with_tiles,
     )
     from models.tiled import unavailable_reason
 
-    extra, room = layers_bytes(lm.text), _available_memory()
+    offer = pack in ("auto", "tiled") and tiles_apply(lm.text.layers[0].self_attn.q_proj.weight)
+    width = tiles_width(lm.text) if offer else 4           # bytes a weight takes in tiles
+    extra, room = layers_bytes(lm.text) * width // 4, _available_memory()
     tiles_fit = room is None or extra <= room // 2          # the tiles copy the layers: leave half of what is free
     if pack == "tiled":
         weight = lm.text.layers[0].self_attn.q_proj.weight
@@ -127,7 +130,7 @@ def _pack(lm, pack, *, fused: bool) -> None:
         offer_tiles = fused and tiles_fit and tiles_apply(lm.text.layers[0].self_attn.q_proj.weight)
         if offer_tiles:
             # a choice made before the kernel could be one, or with another build of it, does not hold
-            key += f" | tiled kernel {cpu_kernels.build_tag()}"
+            key += f" | tiled kernel {cpu_kernels.build_tag()}, {'bfloat16' if width == 2 else 'float32'} tiles"
         elif fused and not tiles_fit:
             log.info("pack auto: the decoder layers' tiles (%.1f GiB) would not fit beside what is free (%.1f GiB); "
                      "choosing between as loaded and packed", extra / 2**30, room / 2**30)

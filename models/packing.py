@@ -129,6 +129,14 @@ def layers_bytes(text_model) -> int:
     return sum(p.numel() * p.element_size() for p in text_model.layers.parameters())
 
 
+def tiles_width(text_model) -> int:
+    """Bytes a weight of the decoder layers takes in tiles (models.tiled.tile): 2 where every
+    projection weight is a bfloat16 value exactly (a bfloat16 checkpoint loaded in float32), else 4."""
+    exact = all(torch.equal(p.detach().bfloat16().float(), p.detach())
+                for layer in text_model.layers for name, p in layer.named_parameters() if name.endswith("proj.weight"))
+    return 2 if exact else 4
+
+
 def tiles_apply(weight: torch.Tensor) -> bool:
     """Whether the tiled kernel serves weights like this one: float32 on the CPU, kernel built."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and tiled.available()

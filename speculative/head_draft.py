@@ -20,6 +20,7 @@ A round:
 from __future__ import annotations
 
 import functools
+from dataclasses import astuple
 
 import torch
 
@@ -57,15 +58,21 @@ def draft_tree(head: SparrowHead, lm, cache: HeadCache, top: torch.Tensor, posit
 _COMPILED: dict[tuple, object] = {}       # (function, mode, device type) -> compiled, at its warmed counts
 
 
-def grower(mode: str, device="cpu"):
+def grower(mode: str, device="cpu", shape: tuple = ()):
     """grow_tree as the head drafts with it: eager for "off", else compiled in that torch.compile
-    mode (models.compiled_step.MODES), once per process, mode and device type, and called at a
-    thread count it was warmed for (warm_tree: the counts of the first call, at load). The key
-    holds no thread count: an elastic pool changes a worker's count between rounds, and a new key
-    would be a new compile in the middle of a request. The cache length and the position are
-    symbolic, so a tree shape (depth, topk) is one compile that serves every cache length and
-    position."""
-    return grow_tree if mode == "off" else _compiled_once(grow_tree, mode, device)
+    mode (models.compiled_step.MODES), once per process, mode, device type and `shape` (the head's
+    and its target's sizes: head_shape), and called at a thread count it was warmed for (warm_tree:
+    the counts of the first call, at load). The key holds no thread count: an elastic pool changes
+    a worker's count between rounds, and a new key would be a new compile in the middle of a
+    request. The cache length and the position are symbolic, so a tree shape (depth, topk) is one
+    compile that serves every cache length and position; the model sizes are constants, so each
+    head shape compiles on a code object of its own (torch counts its recompile limit per code object)."""
+    return grow_tree if mode == "off" else _compiled_once(grow_tree, mode, device, shape)
+
+
+def head_shape(head: SparrowHead, lm) -> tuple:
+    """What a compiled head function is specialised on: the head's config and the target's vocabulary."""
+    return (*astuple(head.config), lm.vocabulary)
 
 
 def _marked(fn, rows: bool):
@@ -83,11 +90,11 @@ def _marked(fn, rows: bool):
     return call
 
 
-def _compiled_once(fn, mode: str, device):
+def _compiled_once(fn, mode: str, device, shape: tuple = ()):
     """fn compiled in `mode` (models.compiling.compiled, with its varying sizes marked: _marked),
-    once per process, function, mode and device type, called at the thread counts it is warmed for
-    (see grower for why no thread count in the key)."""
-    key = (fn.__name__, mode, torch.device(device).type)
+    once per process, function, mode, device type and head shape, called at the thread counts it
+    is warmed for (see grower for why no thread count in the key)."""
+    key = (fn.__name__, mode, torch.device(device).type, shape)
     if key not in _COMPILED:
         run = _marked(compiled(fn, mode), rows=fn is catch_up_rows)
         _COMPILED[key] = functools.partial(call_at_warmed_threads, run, thread_counts(device))
@@ -116,7 +123,7 @@ def tree_grower(head: SparrowHead, lm):
         from speculative.captured_head import CapturedTree
 
         return _captured(head, lm, CapturedTree)
-    return grower(uncaptured_mode(lm.compile), lm.device)
+    return grower(uncaptured_mode(lm.compile), lm.device, head_shape(head, lm))
 
 
 def catch_up_rows(head: SparrowHead, lm, keys: torch.Tensor, values: torch.Tensor, ids: torch.Tensor,
@@ -137,7 +144,8 @@ class CompiledHeadStep:
     row count above one and every cache length), called like CapturedHeadStep."""
 
     def __init__(self, head: SparrowHead, lm, mode: str):
-        self.head, self.lm, self.mode, self.run = head, lm, mode, _compiled_once(catch_up_rows, mode, lm.device)
+        self.head, self.lm, self.mode = head, lm, mode
+        self.run = _compiled_once(catch_up_rows, mode, lm.device, head_shape(head, lm))
 
     @torch.inference_mode()
     def __call__(self, cache: HeadCache, ids: torch.Tensor, features: torch.Tensor, position: int) -> torch.Tensor:

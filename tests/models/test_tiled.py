@@ -51,21 +51,24 @@ def test_the_product_is_x_times_w_plus_b_for_any_rows_and_width(rows, k, n, bias
 
 
 def float32_tiles(w: torch.Tensor) -> torch.Tensor:
-    """tile() without its bfloat16 choice: the float32 tiles of w [K, N] (N a multiple of 32)."""
+    """tile() without its bfloat16 choice: the float32 tiles of w [K, N], zeros past N."""
+    w = torch.cat([w, w.new_zeros(w.shape[0], -w.shape[1] % tiled.TILE)], 1)
     return w.reshape(w.shape[0], -1, tiled.TILE).permute(1, 0, 2).contiguous()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 11, 30])
-def test_weights_that_are_bfloat16_values_tile_in_bfloat16_and_multiply_bit_for_bit(rows):
+@pytest.mark.parametrize("n", [96, 40])
+def test_weights_that_are_bfloat16_values_tile_in_bfloat16_and_multiply_bit_for_bit(rows, n):
     """A bfloat16 checkpoint loaded in float32: its tiles take half the bytes, and each weight is
-    widened back to the same float32, so the products equal the float32 tiles' exactly."""
+    widened back to the same float32, so the products equal the float32 tiles' exactly (a width
+    that is not whole tiles too: the padding zeros are bfloat16 values)."""
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(256, 96, generator=g).bfloat16().float()
-    x, b = torch.randn(rows, 256, generator=g), torch.randn(96, generator=g)
+    w = torch.randn(256, n, generator=g).bfloat16().float()
+    x, b = torch.randn(rows, 256, generator=g), torch.randn(n, generator=g)
     narrow, wide = tiled.tile(w), float32_tiles(w)
     assert narrow.dtype == torch.bfloat16 and narrow.shape == wide.shape
-    got = tiled.product(x, narrow, tiled.tile_bias(b), 96)
-    assert torch.equal(got, tiled.product(x, wide, tiled.tile_bias(b), 96))
+    got = tiled.product(x, narrow, tiled.tile_bias(b), n)
+    assert torch.equal(got, tiled.product(x, wide, tiled.tile_bias(b), n))
     assert_within_rounding(got, x, w, b)
 
 
