@@ -55,7 +55,7 @@ def draft_tree(head: SparrowHead, lm, cache: HeadCache, top: torch.Tensor, posit
     return tokens[kept], kept_parents, {"nodes": int(kept.shape[0]), "depth": int(tree_depths(kept_parents).max()) + 1}
 
 
-_COMPILED: dict[tuple, object] = {}       # (function, mode, device type) -> compiled, at its warmed counts
+_COMPILED: dict[tuple, object] = {}       # (function, mode, device type, head shape) -> compiled, at its warmed counts
 
 
 def grower(mode: str, device="cpu", shape: tuple = ()):
