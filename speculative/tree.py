@@ -40,8 +40,9 @@ def check_tree(tokens: torch.Tensor, parents: torch.Tensor) -> None:
         raise ValueError(f"a tree needs tokens and parents of one shape [n], got {tuple(tokens.shape)} "
                          f"and {tuple(parents.shape)}")
     check_parents(parents)
+    token_ids = tokens.tolist()            # on the host once: a round checks a tree of dozens of nodes
     for node, kids in children_of(parents).items():
-        toks = tokens[kids].tolist()
+        toks = [token_ids[k] for k in kids]
         if len(set(toks)) != len(toks):
             raise ValueError(f"node {node} has two children with the same token: {toks}")
 
@@ -58,11 +59,12 @@ def tree_mask(parents: torch.Tensor) -> torch.Tensor:
     ancestors. A chain gives the causal mask."""
     check_parents(parents)
     n = parents.shape[0]
-    mask = torch.eye(n, dtype=torch.bool)
+    rows: list[list[bool]] = []            # built on the host: a torch operation per node costs more
     for i, p in enumerate(parents.tolist()):
-        if p >= 0:
-            mask[i] |= mask[p]
-    return mask
+        row = list(rows[p]) if p >= 0 else [False] * n
+        row[i] = True
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool).reshape(n, n)
 
 
 def tree_depths(parents: torch.Tensor) -> torch.Tensor:
@@ -105,14 +107,15 @@ def best_subtree(parents: torch.Tensor, scores: torch.Tensor, total: int) -> tup
     closed under ancestors, in their original order, so by depth; their parents [m] renumbered
     among them). A node's ancestors are at least as likely as it, so the closure only matters on
     ties."""
-    keep = torch.zeros(parents.shape[0], dtype=torch.bool)
-    keep[torch.sort(-scores, stable=True).indices[:total]] = True
-    while True:                      # at most depth passes: each adds the parents of what is kept
-        up = parents[keep & (parents >= 0)]
-        if keep[up].all():
-            break
-        keep[up] = True
-    kept = keep.nonzero().squeeze(1)
-    number = torch.cumsum(keep, 0) - 1                                   # [N]: a kept node's new number
-    kept_parents = parents[kept]
-    return kept, torch.where(kept_parents >= 0, number[kept_parents.clamp_min(0)], -1)
+    # on the host, in lists: a tree of a few dozen nodes, where each torch operation costs more
+    up, score = parents.tolist(), scores.tolist()
+    best = sorted(range(len(up)), key=lambda i: -score[i])[:total]     # stable: ties to the earlier
+    keep = set(best)
+    for node in best:                # close under ancestors
+        while up[node] >= 0 and up[node] not in keep:
+            node = up[node]
+            keep.add(node)
+    kept = sorted(keep)
+    number = {node: i for i, node in enumerate(kept)}                    # a kept node's new number
+    return (torch.tensor(kept, dtype=torch.long),
+            torch.tensor([number[up[node]] if up[node] >= 0 else -1 for node in kept], dtype=torch.long))
