@@ -179,6 +179,39 @@ def test_best_subtree_keeps_the_most_likely_nodes_closed_under_ancestors():
     assert kept.tolist() == [0, 1, 2] and kept_parents.tolist() == [-1, 0, 1]
 
 
+def tensor_best_subtree(parents: torch.Tensor, scores: torch.Tensor, total: int):
+    """best_subtree as tensor operations (how it was first written): the reference for the lists."""
+    keep = torch.zeros(parents.shape[0], dtype=torch.bool)
+    keep[torch.sort(-scores, stable=True).indices[:total]] = True
+    while True:
+        up = parents[keep & (parents >= 0)]
+        if keep[up].all():
+            break
+        keep[up] = True
+    kept = keep.nonzero().squeeze(1)
+    number = torch.cumsum(keep, 0) - 1
+    kept_parents = parents[kept]
+    return kept, torch.where(kept_parents >= 0, number[kept_parents.clamp_min(0)], -1)
+
+
+def test_best_subtree_and_the_mask_on_random_trees_with_ties():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 40, (1,), generator=g))
+        parents = torch.tensor([-1 if i == 0 else int(torch.randint(-1, i, (1,), generator=g)) for i in range(n)])
+        scores = -torch.randint(0, 6, (n,), generator=g).double() / 2          # few values: many ties
+        total = int(torch.randint(0, n + 2, (1,), generator=g))
+        for got, want in zip(best_subtree(parents, scores, total), tensor_best_subtree(parents, scores, total)):
+            assert got.dtype == torch.long and got.tolist() == want.tolist()
+        mask = tree_mask(parents)
+        for i in range(n):                         # row i: i and the ancestors a walk up finds
+            seen, node = {i}, i
+            while parents[node] >= 0:
+                node = int(parents[node])
+                seen.add(node)
+            assert mask[i].nonzero().squeeze(1).tolist() == sorted(seen)
+
+
 def test_expansion_takes_the_best_frontier_nodes_ties_to_the_earlier():
     scores = torch.tensor([-1.0, -0.5, -1.0, -0.5, -2.0], dtype=torch.float64)
     assert to_expand(scores, 3).tolist() == [1, 3, 0]
