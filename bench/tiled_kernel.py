@@ -23,12 +23,6 @@ import torch
 from models import tiled
 
 
-def float32_tiles(weight: torch.Tensor) -> torch.Tensor:
-    """tile() without its bfloat16 choice: weight [K, N] -> [ceil(N / 32), K, 32] float32."""
-    weight = torch.cat([weight, weight.new_zeros(weight.shape[0], -weight.shape[1] % tiled.TILE)], 1)
-    return weight.reshape(weight.shape[0], -1, tiled.TILE).permute(1, 0, 2).contiguous()
-
-
 def per_product_us(x: torch.Tensor, tiles: list[torch.Tensor], width: int, calls: int) -> float:
     """µs a product of x by each of `tiles` in turn, over at least `calls` products."""
     rounds = max(1, calls // len(tiles))
@@ -53,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     k, n = args.shape
     copies = max(2, int(args.cold_mib * 2**20 // (k * n * 4)))
     weights = [torch.randn(k, n).bfloat16().float() for _ in range(copies)]
-    kinds = {"float32": [float32_tiles(w) for w in weights], "bfloat16": [tiled.tile(w) for w in weights]}
+    kinds = {"float32": [tiled.tile(w, narrow=False) for w in weights], "bfloat16": [tiled.tile(w) for w in weights]}
     assert all(t.dtype == torch.bfloat16 for t in kinds["bfloat16"])
     before = torch.get_num_threads()
     print(f"[{k}, {n}] weight, {copies} copies for 'cold'; µs a product, best of 3")

@@ -293,13 +293,10 @@ class VideoLM:
         narrowest width that holds it exactly. A float32 tensor of bfloat16 values (a bfloat16
         checkpoint loaded in float32) counts 2 bytes a weight: the decoder layers' tiles hold such
         weights so (models.tiled); other paths read them at 4."""
+        from models.tiled import holds_bfloat16
+
         params = [*self.text.layers.parameters(), *self.text.norm.parameters(), self.lm_head.weight]
-
-        def width(p: torch.Tensor) -> int:
-            exact_bf16 = p.dtype == torch.float32 and torch.equal(p.detach().bfloat16().float(), p.detach())
-            return 2 if exact_bf16 else p.element_size()
-
-        return int(sum(p.numel() * width(p) for p in params))
+        return int(sum(p.numel() * (2 if holds_bfloat16(p) else p.element_size()) for p in params))
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

@@ -132,8 +132,8 @@ def layers_bytes(text_model) -> int:
 def tiles_width(text_model) -> int:
     """Bytes a weight of the decoder layers takes in tiles (models.tiled.tile): 2 where every
     projection weight is a bfloat16 value exactly (a bfloat16 checkpoint loaded in float32), else 4."""
-    exact = all(torch.equal(p.detach().bfloat16().float(), p.detach())
-                for layer in text_model.layers for name, p in layer.named_parameters() if name.endswith("proj.weight"))
+    exact = all(tiled.holds_bfloat16(p) for layer in text_model.layers for name, p in layer.named_parameters()
+                if name.endswith("proj.weight"))
     return 2 if exact else 4
 
 

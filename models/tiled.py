@@ -60,21 +60,27 @@ def unavailable_reason() -> str | None:
     return cpu_kernels.unavailable_reason()
 
 
-def tile(weight: torch.Tensor) -> torch.Tensor:
+def holds_bfloat16(t: torch.Tensor) -> bool:
+    """Whether every value of the float32 tensor t is a bfloat16 value exactly (a bfloat16
+    checkpoint loaded in float32): what tiles, and a step's floor, may count at 2 bytes."""
+    t = t.detach()
+    return t.dtype == torch.float32 and torch.equal(t.bfloat16().float(), t)
+
+
+def tile(weight: torch.Tensor, narrow: bool = True) -> torch.Tensor:
     """weight [K, N] (laid out [in, out]) -> its tiles [ceil(N / 32), K, 32], contiguous; columns
-    past N are zeros. In bfloat16 when every weight is a bfloat16 value exactly (a bfloat16
-    checkpoint loaded in float32, as the zoo's and most released ones are): the kernel widens each
-    back to the same float32, so the product is the float32 tiles' bit for bit, for half the bytes
-    a step streams. Otherwise float32."""
+    past N are zeros. With `narrow`, in bfloat16 when the weights are bfloat16 values exactly
+    (holds_bfloat16; the zoo's and most released checkpoints): the kernel widens each back to the
+    same float32, so the product is the float32 tiles' bit for bit, for half the bytes a step
+    streams. Otherwise float32."""
     k, n = weight.shape
     pad = -n % TILE
     if pad:
         weight = torch.cat([weight, weight.new_zeros(k, pad)], 1)
     tiles = weight.reshape(k, -1, TILE).permute(1, 0, 2)
-    narrow = tiles.to(torch.bfloat16)
-    if not torch.equal(narrow.float(), tiles):
+    if not (narrow and holds_bfloat16(weight)):
         return tiles.contiguous()
-    return narrow[..., _lane_order(weight.device)].contiguous()
+    return tiles.to(torch.bfloat16)[..., _lane_order(weight.device)].contiguous()
 
 
 @functools.cache

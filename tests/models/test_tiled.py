@@ -50,12 +50,6 @@ def test_the_product_is_x_times_w_plus_b_for_any_rows_and_width(rows, k, n, bias
     assert_within_rounding(got, x, w, b)
 
 
-def float32_tiles(w: torch.Tensor) -> torch.Tensor:
-    """tile() without its bfloat16 choice: the float32 tiles of w [K, N], zeros past N."""
-    w = torch.cat([w, w.new_zeros(w.shape[0], -w.shape[1] % tiled.TILE)], 1)
-    return w.reshape(w.shape[0], -1, tiled.TILE).permute(1, 0, 2).contiguous()
-
-
 @pytest.mark.parametrize("rows", [1, 3, 8, 11, 30])
 @pytest.mark.parametrize("n", [96, 40])
 def test_weights_that_are_bfloat16_values_tile_in_bfloat16_and_multiply_bit_for_bit(rows, n):
@@ -65,7 +59,7 @@ def test_weights_that_are_bfloat16_values_tile_in_bfloat16_and_multiply_bit_for_
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(256, n, generator=g).bfloat16().float()
     x, b = torch.randn(rows, 256, generator=g), torch.randn(n, generator=g)
-    narrow, wide = tiled.tile(w), float32_tiles(w)
+    narrow, wide = tiled.tile(w), tiled.tile(w, narrow=False)
     assert narrow.dtype == torch.bfloat16 and narrow.shape == wide.shape
     got = tiled.product(x, narrow, tiled.tile_bias(b), n)
     assert torch.equal(got, tiled.product(x, wide, tiled.tile_bias(b), n))
@@ -75,8 +69,8 @@ def test_weights_that_are_bfloat16_values_tile_in_bfloat16_and_multiply_bit_for_
 def test_one_weight_off_bfloat16_keeps_the_tiles_in_float32():
     w = torch.randn(64, 32).bfloat16().float()
     w[5, 7] += 2.0 ** -20 * w[5, 7].abs().clamp_min(1)         # no longer a bfloat16 value
-    assert tiled.tile(w).dtype == torch.float32
-    assert torch.equal(tiled.tile(w), float32_tiles(w))
+    assert tiled.tile(w).dtype == torch.float32 and not tiled.holds_bfloat16(w)
+    assert torch.equal(tiled.tile(w), tiled.tile(w, narrow=False))
 
 
 def test_no_rows_and_strided_rows():
