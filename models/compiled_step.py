@@ -12,7 +12,8 @@ Why this shape: a compiled function that writes into a cache buffer it captured 
 functionalised, and the whole buffer is copied on every call (on 2 CPU cores a compiled toy step
 that wrote its cache took 14-16 ms against 2.6 eager; written by the caller, 1.7 ms).
 
-Attention is split in two and merged by log-sum-exp: the prefix with no mask at all, the new tokens
+Attention is split in two and merged by log-sum-exp: the prefix with no mask at all (on the CPU by
+reelflow's kernel where it serves, models.cpu_attention: `lean.prefix_kernel`), the new tokens
 among themselves with their small mask. No mask of new tokens × context is ever built, and the
 prefix stays read-only. Its results differ from the eager lean path (models.lean, the exact
 reference) by float32 rounding: the same terms, summed in another order.
@@ -27,20 +28,30 @@ from __future__ import annotations
 
 import torch
 
+from models import cpu_attention
 from models.compiling import call_at_warmed_threads, compiled, thread_counts, varying, warm_at_thread_counts
+from models.prefix_attention import merge_with_new
 
 MODES = ("off", "default", "max-autotune-no-cudagraphs")   # model.<role>.compile, besides "auto" and the captured
 def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    mask: torch.Tensor, scaling: float, held: torch.Tensor | None = None) -> torch.Tensor:
+                    mask: torch.Tensor, scaling: float, held: torch.Tensor | None = None,
+                    kernel: bool = False) -> torch.Tensor:
     """q [H, n, hd]; k, v [KV, m, hd] (the new tokens', m ≥ n when rows drafted earlier come
     first); keys, values [KV, L, hd] (the cached prefix, L ≥ 1, every entry seen, or with `held`
     bool [L] only those it marks: a fixed buffer whose tail is spare room); mask bool [n, m]:
     which of the m each query sees (each sees at least itself). Heads grouped as transformers'
-    repeat_kv lays them out. -> [n, H * hd], softmax in float32."""
+    repeat_kv lays them out. kernel: the prefix's part by the CPU kernel (models.cpu_attention;
+    the caller checked that it serves), every cached entry seen. -> [n, H * hd], softmax in float32."""
     heads, n, hd = q.shape
     kv, m = k.shape[0], k.shape[1]
     group = heads // kv
     qg = q.reshape(kv, group * n, hd)
+    if kernel and held is None:
+        out, lse = cpu_attention.prefix_attention(qg, keys, values, scaling)                # [KV, G*n, hd], [KV, G*n]
+        new = (torch.matmul(qg, k.transpose(-1, -2)).float() * scaling).view(kv, group, n, m)
+        new = new.masked_fill(~mask, float("-inf")).view(kv, group * n, m)
+        merged = merge_with_new(out, lse, new, v).to(q.dtype)                              # [KV, G*n, hd]
+        return merged.view(kv, group, n, hd).reshape(heads, n, hd).transpose(0, 1).reshape(n, heads * hd)
     prefix = torch.matmul(qg, keys.transpose(-1, -2)).float() * scaling                  # [KV, G*n, L]
     if held is not None:
         prefix = prefix.masked_fill(~held, float("-inf"))
@@ -63,7 +74,7 @@ def layers_step(lean, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     def attend(i, q, k, v):
         new_k.append(k)
         new_v.append(v)
-        return split_attention(q, k, v, prefix_k[i], prefix_v[i], mask, lean.scaling)
+        return split_attention(q, k, v, prefix_k[i], prefix_v[i], mask, lean.scaling, kernel=lean.prefix_kernel)
 
     hidden = lean.run_layers(embeds, cos, sin, attend, fused=True)
     return hidden, torch.stack(new_k), torch.stack(new_v)

@@ -2,7 +2,8 @@
 extension loader as torch operators; each user module gives its operator's shape function, so
 torch.compile calls them from a compiled step as it calls MKL:
 
-    torch.ops.reelflow_tiled.tiled_mm        models.tiled: products of a few rows
+    torch.ops.reelflow_tiled.tiled_mm           models.tiled: products of a few rows
+    torch.ops.reelflow_cpu.prefix_attention     models.prefix_attention: a few rows over a cached prefix
 
     if cpu_kernels.available(): ...          # builds them on first call (about 30 s), else says why not
 
@@ -25,6 +26,7 @@ from pathlib import Path
 log = logging.getLogger("reelflow.models")
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 # -fopenmp: at::parallel_for is a header template; compiled without OpenMP its `omp parallel` is
 # dropped and every kernel runs on one thread whatever torch.get_num_threads() says
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -38,7 +40,7 @@ def _machine_tag() -> str:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    text = flags + " ".join(CFLAGS + LDFLAGS) + "".join(p.read_text() for p in SOURCES)
+    text = flags + " ".join(CFLAGS + LDFLAGS) + "".join(p.read_text() for p in SOURCES + HEADERS)
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 

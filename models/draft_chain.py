@@ -57,7 +57,8 @@ def greedy_chain(lean, embed: torch.Tensor, head: torch.Tensor, head_bias: torch
             new_k[i], new_v[i] = k_all, v_all
             m = k_all.shape[1]
             among = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)   # causal, the n last of m
-            return split_attention(q, k_all, v_all, prefix_k[i], prefix_v[i], among, lean.scaling)
+            return split_attention(q, k_all, v_all, prefix_k[i], prefix_v[i], among, lean.scaling,
+                                   kernel=lean.prefix_kernel)
 
         hidden = lean.run_layers(F.embedding(ids, embed), cos[fed:fed + n], sin[fed:fed + n], attend, fused=True)
         logits = F.linear(hidden[-1:], head, head_bias).float()[:, :vocab]               # [1, vocab]

@@ -85,6 +85,7 @@ class LeanDecoder:
         self._masks: dict = {}        # (n, device) -> causal bool [n, n] (_causal)
         self.step = None          # models.compiled_step.CompiledStep or models.captured_step.CapturedStep (load_model)
         self.packed: list[PackedLayer] | None = None     # models.packing, when load_model packed the weights
+        self.prefix_kernel = False    # compiled steps' prefix attention by models.cpu_attention (load_model)
 
     @classmethod
     def of(cls, text_model) -> LeanDecoder | None:

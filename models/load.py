@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from models import shapes
+from models import cpu_attention, cpu_kernels, shapes
 from models.shapes import is_random
 
 log = logging.getLogger("reelflow.models")
@@ -71,7 +71,10 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
     elif lm.lean is not None:
         _pack(lm, pack, fused=compile != "off")
     if lm.lean is not None and compile != "off":
-        mode = compile if compile != "auto" else choose_mode(lm, _machine_key(path, lm))
+        lm.lean.prefix_kernel = cpu_attention.serves(lm.lean.head_dim, lm.dtype, lm.device)
+        kernel = f" | attention kernel {cpu_kernels.build_tag()}" if lm.lean.prefix_kernel else ""
+        key = _machine_key(path, lm) + kernel
+        mode = compile if compile != "auto" else choose_mode(lm, key)
         if mode != "off":
             lm.lean.step = build_step(lm.lean, mode)
             lm.lean.step.warm(lm.device, lm.dtype, name=lm.name)
@@ -87,7 +90,6 @@ def _pack(lm, pack, *, fused: bool) -> None:
     once for the layers' shapes on this CPU and remembered (the weights' values do not matter, only
     their shapes and whether they are bfloat16 values, which tiles hold in half the bytes). On a
     GPU auto leaves them as loaded: a GPU's kernels read either layout at the same pace."""
-    from models import cpu_kernels
     from models.compile_auto import remembered
     from models.compiling import record_compile
     from models.lean import LeanDecoder

@@ -19,10 +19,10 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include "vector.h"
+
 namespace {
 
-typedef float vec16 __attribute__((vector_size(64), aligned(4)));   // 16 floats, unaligned loads allowed
-typedef uint16_t half32 __attribute__((vector_size(64), aligned(2)));  // 32 bfloat16 bit patterns
 constexpr int64_t TILE = 32;
 constexpr int MAX_ROWS = 8;
 
@@ -34,21 +34,11 @@ inline void load32(const float* p, vec16& lo, vec16& hi) {
   lo = *(const vec16*)p;
   hi = *(const vec16*)(p + 16);
 }
-#if defined(__has_builtin)
-#if __has_builtin(__builtin_shufflevector)
-#define REELFLOW_SHUFFLEVECTOR 1
-#endif
-#endif
-#ifdef REELFLOW_SHUFFLEVECTOR       // clang, GCC 12 and later
-#define INTERLEAVE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else                               // older GCC: the same selection as a mask vector
-#define INTERLEAVE(a, b, ...) __builtin_shuffle(a, b, (half32){__VA_ARGS__})
-#endif
 inline void load32(const uint16_t* p, vec16& lo, vec16& hi) {
   const half32 w = *(const half32*)p, z = {};
-  lo = (vec16)INTERLEAVE(z, w, 0, 32, 1, 33, 2, 34, 3, 35, 8, 40, 9, 41, 10, 42, 11, 43,
+  lo = (vec16)SHUFFLE(half32, z, w, 0, 32, 1, 33, 2, 34, 3, 35, 8, 40, 9, 41, 10, 42, 11, 43,
                          16, 48, 17, 49, 18, 50, 19, 51, 24, 56, 25, 57, 26, 58, 27, 59);
-  hi = (vec16)INTERLEAVE(z, w, 4, 36, 5, 37, 6, 38, 7, 39, 12, 44, 13, 45, 14, 46, 15, 47,
+  hi = (vec16)SHUFFLE(half32, z, w, 4, 36, 5, 37, 6, 38, 7, 39, 12, 44, 13, 45, 14, 46, 15, 47,
                          20, 52, 21, 53, 22, 54, 23, 55, 28, 60, 29, 61, 30, 62, 31, 63);
 }
 

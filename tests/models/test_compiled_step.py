@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models import cpu_attention
 from models.compiled_step import split_attention
 from models.compiling import compile_records
 from models.decoding import greedy, prefill_video
@@ -25,7 +26,10 @@ DRAFT = "zoo/weights/qwen-draft"
 
 @pytest.mark.parametrize("n, cached, heads, kv_heads, tree", [(1, 50, 4, 2, False), (5, 300, 4, 2, False),
                                                              (16, 40, 8, 1, False), (30, 200, 4, 2, True)])
-def test_split_attention_is_attention_over_prefix_and_new_tokens(n, cached, heads, kv_heads, tree):
+@pytest.mark.parametrize("kernel", [False, True])
+def test_split_attention_is_attention_over_prefix_and_new_tokens(n, cached, heads, kv_heads, tree, kernel):
+    """By torch's products, and with the prefix's part by the CPU kernel (models.cpu_attention)."""
+    assert not kernel or cpu_attention.serves(16, torch.float32, "cpu")
     g = torch.Generator().manual_seed(n + cached)
     q = torch.randn(heads, n, 16, generator=g)
     k, v = torch.randn(kv_heads, n, 16, generator=g), torch.randn(kv_heads, n, 16, generator=g)
@@ -34,7 +38,7 @@ def test_split_attention_is_attention_over_prefix_and_new_tokens(n, cached, head
     whole = torch.ones(n, cached + n, dtype=torch.bool)
     whole[:, cached:] = among
     want = reference(q[None], torch.cat([keys, k], 1)[None], torch.cat([values, v], 1)[None], whole[None, None], 0.25)
-    got = split_attention(q, k, v, keys, values, among, 0.25)
+    got = split_attention(q, k, v, keys, values, among, 0.25, kernel=kernel)
     torch.testing.assert_close(got, want.reshape(n, heads * 16), rtol=1e-5, atol=1e-5)
 
 
@@ -46,6 +50,7 @@ def test_a_compiled_model_decodes_the_eager_lean_paths_tokens_without_recompilin
     torch._dynamo.reset()
     compiled = load_model(TARGET, compile="default")
     assert compiled.compile == "default" and "lean step" in compile_records()[-1]["what"]
+    assert compiled.lean.prefix_kernel          # the prefix's attention by the CPU kernel
     trees = [bushy_tree(n) for n in (12, 20)]
     ids = torch.arange(20) + 3
 
