@@ -9,13 +9,14 @@ compiled steps merge it with the new tokens' part (models.compiled_step.split_at
 
 Why: as two matrix products with a softmax between, a one-token step's attention over 1,091
 cached entries took 80-90 µs a layer on an AMD EPYC core, at about a quarter of the rate its
-cache's bytes stream from the core's caches; the kernel streams each split of the prefix once
-and keeps the softmax's running maximum and sum in registers (33-40 µs). For a dozen or more rows
-it is about as fast as the products (both bound by the core's arithmetic).
+cache's bytes stream from the core's caches; the kernel streams each split of the prefix once per
+4 query rows and keeps the softmax's running maximum and sum in registers (33-40 µs). For a dozen
+rows or more the core's arithmetic bounds both ways alike; above 24 rows a KV head the kernel takes
+MKL's products itself, with one vectorised softmax pass between them.
 
 It sums in another order than the products do: a float32 rounding apart from them, as the compiled
-steps already are from the eager path (the exact reference). Results do not depend on the thread
-count (the prefix's splits are fixed in size).
+steps already are from the eager path (the exact reference). Up to 24 rows the results do not
+depend on the thread count (the prefix's splits are fixed in size); MKL's products above may.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ extension loader as torch operators; each user module gives its operator's shape
 torch.compile calls them from a compiled step as it calls MKL:
 
     torch.ops.reelflow_tiled.tiled_mm           models.tiled: products of a few rows
-    torch.ops.reelflow_cpu.prefix_attention     models.prefix_attention: a few rows over a cached prefix
+    torch.ops.reelflow_cpu.prefix_attention     models.cpu_attention: a few rows over a cached prefix
 
     if cpu_kernels.available(): ...          # builds them on first call (about 30 s), else says why not
 

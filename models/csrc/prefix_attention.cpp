@@ -1,5 +1,5 @@
 // Attention of a few query rows over a cached prefix, with the softmax's log-sum-exp, for decode
-// steps and verifications on the CPU (models/prefix_attention.py says how it is used).
+// steps and verifications on the CPU (models/cpu_attention.py says how it is used).
 //
 //   q       [KV, R, hd] float32: the query rows grouped by the KV head they read
 //   keys    [KV, L, hd] float32, each row contiguous (a view of a cache buffer with spare room is fine)
@@ -10,11 +10,13 @@
 // Why a kernel: as two matrix products (scores, then probabilities × values) a one-token step's
 // attention ran at about a quarter of the rate the cache's bytes stream at from the core's caches,
 // and the products of a dozen rows at half the core's arithmetic rate, plus a softmax pass between.
-// Here each split of the prefix (SPLIT keys) streams through once: 16 keys at a time are scored for
-// a few rows (their dot products reduced to one vector of 16 scores by a shuffle tree), folded into
-// running maxima and sums (online softmax) and their values added in with the weights; the splits
-// run side by side on torch's threads and are merged by their maxima and sums. Split boundaries do
-// not depend on the thread count, so the result is the same, bit for bit, at any count.
+// Here each split of the prefix (SPLIT keys) streams through once per 4 query rows (from the core's
+// L2 after the first): 16 keys at a time are scored for those rows (their dot products reduced to
+// one vector of 16 scores by a shuffle tree), folded into running maxima and sums (online softmax)
+// and their values added in with the weights; the splits run side by side on torch's threads and
+// are merged by their maxima and sums. Split boundaries do not depend on the thread count, so the
+// result is the same, bit for bit, at any count. More than MAX_STREAMED_ROWS rows go to MKL's
+// products instead (whose sums may change with the thread count).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -24,8 +26,8 @@
 #include <limits>
 
 // ATen's vectorised exp (Sleef's, 1 ulp) for the instruction set this build targets, as inductor's
-// generated kernels take it
-#if defined(__AVX512F__)
+// generated kernels take it (its AVX-512 code needs the F, BW, DQ and VL subsets, as inductor asks)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define CPU_CAPABILITY_AVX512
 #elif defined(__AVX2__)
 #define CPU_CAPABILITY_AVX2
@@ -41,9 +43,10 @@ constexpr int BLOCK = 16;          // keys scored at a time: one vector of score
 constexpr int ROWS = 4;            // query rows a pass over a split keeps sums for
 constexpr int64_t SPLIT = 256;     // keys a task takes: fixed, so results do not depend on the thread count
 // Above this many rows the core's arithmetic bounds the attention and MKL's blocked products do it
-// faster than the streaming pass here (its dot products cost a shuffle tree a row and 16 keys):
-// on an AMD EPYC core 62 rows took 4-7 % longer by this kernel, 22 rows 3-6 % less
-constexpr int64_t MAX_STREAMED_ROWS = 32;
+// about as fast as the streaming pass here (whose dot products cost a shuffle tree a row and 16
+// keys): in an AMD EPYC core's compiled toy step, 22 rows took 0-6 % less by this kernel, 32 rows
+// 7 % more, 62 rows 4-15 % more
+constexpr int64_t MAX_STREAMED_ROWS = 24;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 inline vec16 exp16(vec16 x) {
