@@ -132,6 +132,18 @@ def check_train_keys(argv: list[str]) -> None:
         sys.exit(2)
 
 
+def expand_home(argv: list[str]) -> list[str]:
+    """`key=~/videos` (and each `~/...` of a sweep's `key=~/a,~/b`) with the home directory put in.
+    A shell leaves a `~` after `key=` as it is, since `data.folder=` is no shell assignment, and
+    Hydra's override grammar has no `~` in a value: it would refuse the command with a lexer error."""
+    import os
+    import re
+
+    home = os.path.expanduser("~")
+    return [re.sub(r"(?<=[=,])~(?=/|,|$)", lambda _: home, arg) if "=" in arg and not arg.startswith("~") else arg
+            for arg in argv]
+
+
 def start_openmp_runtime(argv: list[str]) -> None:
     """Re-execute under Intel's OpenMP runtime when `executor.openmp` asks for it (job/openmp.py);
     before Hydra and torch load, since a preload only works from a process's start."""
@@ -145,6 +157,7 @@ def start_openmp_runtime(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = expand_home(sys.argv[1:])
     start_openmp_runtime(sys.argv[1:])
     check_train_keys(sys.argv[1:])
     main()

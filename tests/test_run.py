@@ -97,6 +97,17 @@ def test_cfg_job_prints_the_composed_config():
     assert "rounds: 7" in out.stdout and "_target_: bench.synthetic.Checker" in out.stdout
 
 
+def test_a_home_relative_path_after_a_key_is_expanded_as_a_user_types_it():
+    from run import expand_home
+
+    home = os.path.expanduser("~")
+    assert expand_home(["data.folder=~/videos", "-m", "data.path=~/a.mp4,~/b.mp4", "~model.draft", "x=a~/b"]) == \
+        [f"data.folder={home}/videos", "-m", f"data.path={home}/a.mp4,{home}/b.mp4", "~model.draft", "x=a~/b"]
+    out = run("+experiment=train_draft", "data=folder", "data.folder=~/my-videos", "--cfg", "job")
+    assert out.returncode == 0, out.stderr
+    assert f"folder: {home}/my-videos" in out.stdout
+
+
 def test_demo_run_leaves_every_file(tmp_path):
     out = run("+experiment=demo", *SMALL_DEMO, f"hydra.run.dir={tmp_path}")
     assert out.returncode == 0, out.stderr

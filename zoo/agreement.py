@@ -1,8 +1,9 @@
 """Drafts' greedy agreement with their target, whole and pruned: zoo.card's definition (along the
 target's own greedy description, the share of positions where the draft's greedy token is the
 target's), with the draft seeing only the visual tokens ParallelVLM's UV-Prune keeps at each
-pruning ratio α (stages.prune.UVPrune's defaults: target layers 0, 1, 2, as written, the query as
-text), each at its own position as SelectedPrefill prefills them.
+pruning ratio α (stages.prune.UVPrune's defaults: as written, the query as text; the target's
+layers `--uv-layers`, 0 1 2 unless given: the toy Qwen's graph runs 1 2 3, its `model.uv_layers`),
+each at its own position as SelectedPrefill prefills them.
 
     python -m zoo.agreement --target zoo/weights/qwen-target --drafts zoo/weights/qwen-draft \\
         --fps 2 8 --alphas 0 0.5 0.9 --videos 8
@@ -37,7 +38,7 @@ def frames_at(seed: int, seconds: float, fps: float):
 
 @torch.no_grad()
 def measure(target_path: str, draft_paths: list[str], fps_list, alphas, videos: int = 8, seconds: float = 30.0,
-            first_seed: int = 0) -> dict:
+            first_seed: int = 0, uv_layers=(0, 1, 2)) -> dict:
     """{draft: {fps: {alpha: agreement}}} (plus "positions" per fps): the target's greedy answer
     and UV-Prune's choice are computed once per video and shared by the drafts."""
     target = load_model(target_path)
@@ -50,7 +51,7 @@ def measure(target_path: str, draft_paths: list[str], fps_list, alphas, videos: 
             frames, truth = frames_at(seed, seconds, fps)
             answer = greedy_answer(target, frames, fps, PROMPT, answer_budget(truth))
             for alpha in alphas:
-                keep = uv_keep(target, frames, fps, alpha) if alpha > 0 else None
+                keep = uv_keep(target, frames, fps, alpha, tuple(uv_layers)) if alpha > 0 else None
                 for path, draft in drafts.items():
                     a, n = agreement(draft, frames, fps, answer, keep)
                     hits[path, alpha] += a
@@ -82,12 +83,16 @@ def main(argv=None):
     ap.add_argument("--videos", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--first-seed", type=int, default=0, help="seeds first..first+videos-1 (validation: 200)")
+    ap.add_argument("--uv-layers", nargs="+", type=int, default=[0, 1, 2],
+                    help="the target's layers UV-Prune compares (the model config's uv_layers)")
     ap.add_argument("--out", help="a JSON file for the figures")
     args = ap.parse_args(argv)
-    found = measure(args.target, args.drafts, args.fps, args.alphas, args.videos, args.seconds, args.first_seed)
+    found = measure(args.target, args.drafts, args.fps, args.alphas, args.videos, args.seconds, args.first_seed,
+                    args.uv_layers)
     if args.out:
         Path(args.out).write_text(json.dumps({"target": args.target, "videos": args.videos, "seconds": args.seconds,
-                                              "first_seed": args.first_seed, "agreement": found}, indent=1) + "\n")
+                                              "first_seed": args.first_seed, "uv_layers": args.uv_layers,
+                                              "agreement": found}, indent=1) + "\n")
     print(table(found, args.alphas))
 
 

@@ -335,6 +335,13 @@ def _typed(value, hint) -> tuple[Any, str | None]:
         (inner,) = [a for a in args if a is not type(None)]
         value, error = _typed(value, inner)
         return value, (f"{error} or null" if error else None)
+    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:     # tuple[T, ...]
+        if not isinstance(value, (list, tuple)):
+            return None, f"a list of {args[0].__name__}"
+        checked = [_typed(v, args[0]) for v in value]
+        if any(error for _, error in checked):
+            return None, f"a list of {args[0].__name__}"
+        return tuple(v for v, _ in checked), None
     if typing.get_origin(hint) is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             return None, f"a list of {len(args)} ({', '.join(a.__name__ for a in args)})"

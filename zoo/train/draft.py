@@ -12,10 +12,17 @@ user_data; the toy world's videos when no data source is given), each with the t
 answer to a prompt, and at each answer position the target's `topk` most likely tokens with
 their log-probabilities. Built once into the example cache with the clip's frames.
 
-Loss, over the answer's positions (the draft reads the whole prompt and video, as it does when it
+Loss, over the answer's positions (the draft reads the prompt and video, as it does when it
 drafts): `ce_weight` × the cross-entropy of the target's greedy token (what a greedy draft must
 propose) + `kl_weight` × KL(target ‖ draft) over the target's top-k, renormalised (the sparse KL of
 distillation: the rest of the target's distribution is below the top-k's last probability).
+
+Visual-token dropout (`visual_drop` > 0), for a ParallelVLM draft: a share of the examples shows the
+draft only some of its visual tokens, each at its place in the whole prompt, as ParallelVLM's draft
+sees the ones UV-Prune keeps (zoo.train.dropout: they leave the attention mask, not the position
+table). Which ones: UV-Prune's choice, scored once on the target's hidden states at `uv_layers`
+when the example is built, or, for the rest of the share, a random subset. The check then also
+reports `top1_heldout_pruned`, the agreement with `eval_keep` of the tokens chosen by UV-Prune.
 
 Check on held-out clips: top-1 agreement along the target's answer (the share of positions where
 the draft's greedy token is the target's; zoo.card's measure), and M, the tokens committed per
@@ -34,8 +41,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from models.decoding import decode, prefill_video
+from models.decoding import decode
 from models.load import load_model
+from models.pruning import uv_scores
 from zoo.train import loop
 from zoo.train.config import LoopConfig, parse_flat
 from zoo.train.user_data import (
@@ -70,6 +78,16 @@ class DraftTrainConfig:
     kl_weight: float = 1.0                      # KL(target ‖ draft) over the target's top-k
     train_vision: bool = True                   # false: the draft's vision tower stays as `init` has it
     window: int = 4                             # tokens drafted per round in the accepted-length check
+    visual_drop: float = 0.0                    # the share of training examples that see a subset of the video
+    visual_keep: tuple[float, float] = (0.05, 0.5)  # ... the share of its visual tokens kept, uniform in [low, high]
+    visual_uv_share: float = 0.8                # ... of those, the share whose subset UV-Prune picks (else random)
+    uv_layers: tuple[int, ...] = (0, 1, 2)      # the target's layers UV-Prune compares (graph.uv.layers)
+    eval_keep: float = 0.1                      # the share UV-Prune keeps in the pruned check (graph.uv.keep)
+
+    @property
+    def scores_uv(self) -> bool:
+        """Whether examples carry UV-Prune's scores of their visual tokens."""
+        return self.visual_drop > 0
 
     def problems(self) -> list[str]:
         out = []
@@ -91,6 +109,18 @@ class DraftTrainConfig:
                 out.append(f"{key}={getattr(self, key)}: at least 1")
         if self.ce_weight < 0 or self.kl_weight < 0 or self.ce_weight + self.kl_weight <= 0:
             out.append(f"ce_weight={self.ce_weight}, kl_weight={self.kl_weight}: non-negative, not both 0")
+        for name in ("visual_drop", "visual_uv_share"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                out.append(f"{name}={getattr(self, name)}: a share of the examples, in [0, 1]")
+        low, high = self.visual_keep
+        if not 0 < low <= high <= 1:
+            out.append(f"visual_keep={list(self.visual_keep)}: [low, high] shares of the visual tokens kept, "
+                       "0 < low <= high <= 1")
+        if not 0 < self.eval_keep <= 1:
+            out.append(f"eval_keep={self.eval_keep}: the share of the visual tokens kept, in (0, 1]")
+        layers = list(self.uv_layers)
+        if len(layers) < 2 or min(layers) < 0 or sorted(set(layers)) != layers:
+            out.append(f"uv_layers={layers}: two or more of the target's layers, ascending, >= 0 (0: the embeddings)")
         return out
 
 
@@ -105,12 +135,22 @@ def train(progress: bool | None = None, data: dict | None = None, **keys) -> dic
 
 @torch.inference_mode()
 def target_answer(lm, frames: torch.Tensor, fps: float, prompt: str, max_new_tokens: int, topk: int,
-                  vocab: int | None = None) -> dict:
+                  vocab: int | None = None, uv_layers: tuple[int, ...] | None = None) -> dict:
     """The target's greedy answer to `prompt` about uint8 `frames` [n, 3, H, W] and, at each of
     its positions, the target's `topk` most likely tokens among the first `vocab` (the vocabulary it
     shares with the draft; None: all): {"frames", "fps", "prompt", "answer" long [A], "top_ids" long
-    [A, k], "top_logp" float [A, k] (log-probabilities over the target's whole vocabulary)}."""
-    cache, layout, logits = prefill_video(lm, frames, fps, prompt)
+    [A, k], "top_logp" float [A, k] (log-probabilities over the target's whole vocabulary)}; with
+    `uv_layers`, also "uv_scores" float [m]: UV-Prune's score of each of the m visual tokens (the
+    UVPrune stage's defaults: as written, the question after the video as the text)."""
+    layout = lm.layout(prompt, frames.shape[0], tuple(frames.shape[-2:]), fps)
+    cache, hidden = lm.new_cache(), {}
+    logits = lm.prefill(cache, lm.embed(layout.ids, lm.encode(frames), layout.video_start), layout.positions,
+                        taps=tuple(uv_layers or ()), on_tap=lambda layer, h: hidden.__setitem__(layer, h))
+    scores = {}
+    if uv_layers:
+        end = layout.video_start + layout.n_video
+        scores["uv_scores"] = uv_scores(hidden, layout.video, torch.arange(end, layout.length),
+                                        sorted(uv_layers)).float().cpu()
     ids, logps = [], []
 
     def pick(step_logits: torch.Tensor) -> int:        # the distribution each answer token was chosen from
@@ -122,7 +162,7 @@ def target_answer(lm, frames: torch.Tensor, fps: float, prompt: str, max_new_tok
     answer = list(decode(lm, cache, logits, layout.length, layout, max_new_tokens, pick))
     return {"frames": frames.cpu().clone(), "fps": float(fps), "prompt": prompt,
             "answer": torch.tensor(answer, dtype=torch.long), "top_ids": torch.stack(ids),
-            "top_logp": torch.stack(logps)}
+            "top_logp": torch.stack(logps), **scores}
 
 
 # ------------------------------------------------------------------------------ the loss
@@ -164,6 +204,9 @@ class DraftRecipe(TargetRecipe, loop.Recipe):
         c = self.config
         self.device = device
         self.load_target(device)
+        if c.scores_uv and max(c.uv_layers) > self.lm.n_layers:
+            raise ConfigError(f"train_draft: uv_layers={list(c.uv_layers)}: the target has layers 0..{self.lm.n_layers} "
+                              "(0: the embeddings)")
         if c.init:
             try:
                 self.vocab = shared_vocabulary(tokenizer_of(c.target), tokenizer_of(c.init))
@@ -204,11 +247,14 @@ class DraftRecipe(TargetRecipe, loop.Recipe):
             check_memory(lm, self.net, device, frames=frames, size=size, text_tokens=c.max_new_tokens + 64,
                          batch_examples=c.batch_examples, recipe="train_draft", whole_model=True)
 
+        # UV-Prune's scores only where dropout needs them: a run without keeps finding the examples it built before
+        uv = {"uv_layers": list(c.uv_layers)} if c.scores_uv else {}
         made = user_examples(self.source, self.videos, lm, c.target, recipe="train_draft", memory=memory,
                              key={"examples": "draft distillation", "version": 1, "max_new_tokens": c.max_new_tokens,
-                                  "topk": c.topk, "vocab": self.vocab},
+                                  "topk": c.topk, "vocab": self.vocab, **uv},
                              make=lambda clip, frames, fps: target_answer(lm, frames, fps, clip.prompt,
-                                                                          c.max_new_tokens, c.topk, self.vocab),
+                                                                          c.max_new_tokens, c.topk, self.vocab,
+                                                                          self._uv_layers),
                              progress=self.progress)
         self.data, self.heldout = made.train, made.heldout
         self.eval_clips, self.trained_on = made.eval_clips, made.trained_on
@@ -222,14 +268,18 @@ class DraftRecipe(TargetRecipe, loop.Recipe):
         c, lm = self.config, self.lm
         self.fps = lm.fps or FPS[lm.arch]
         rng = random.Random(0)
-        self.data = [target_answer(lm, ex.frames, self.fps, ex.prompt, c.max_new_tokens, c.topk, self.vocab)
-                     for ex in (example(10_000 + i, rng.uniform(*c.seconds), self.fps)
-                                for i in tqdm(range(c.examples), desc="target answers", mininterval=5,
-                                              disable=self.progress is False))]
-        self.heldout = [target_answer(lm, ex.frames, self.fps, ex.prompt, c.max_new_tokens, c.topk, self.vocab)
-                        for ex in (example(s, 30.0, self.fps) for s in range(900, 904))]
+        answer = lambda ex: target_answer(lm, ex.frames, self.fps, ex.prompt, c.max_new_tokens, c.topk,  # noqa: E731
+                                          self.vocab, self._uv_layers)
+        self.data = [answer(ex) for ex in (example(10_000 + i, rng.uniform(*c.seconds), self.fps)
+                                           for i in tqdm(range(c.examples), desc="target answers", mininterval=5,
+                                                         disable=self.progress is False))]
+        self.heldout = [answer(ex) for ex in (example(s, 30.0, self.fps) for s in range(900, 904))]
         self.trained_on = {"data": "the toy world", "clips": len(self.data), "heldout_clips": len(self.heldout),
                            "fps": self.fps}
+
+    @property
+    def _uv_layers(self) -> tuple[int, ...] | None:
+        return tuple(self.config.uv_layers) if self.config.scores_uv else None
 
     def describe(self) -> str:
         n = sum(p.numel() for p in self.net.parameters())
@@ -244,26 +294,67 @@ class DraftRecipe(TargetRecipe, loop.Recipe):
     def batches(self, steps: int, seed: int, start: int = 0):
         return _DraftBatches(self, seed, start)
 
-    def inputs(self, items: list[dict]) -> list[dict]:
+    def draw_drops(self, n: int, rng: random.Random) -> list[tuple[float, bool]]:
+        """Per example, (the share of its visual tokens the draft sees, whether UV-Prune picks them):
+        (1, False) for all but a `visual_drop` share, whose share is uniform in `visual_keep`, a
+        `visual_uv_share` of them picked by UV-Prune (the rest: a random subset)."""
+        c = self.config
+        drops = []
+        for _ in range(n):
+            dropped, share, by_uv = rng.random() < c.visual_drop, rng.uniform(*c.visual_keep), rng.random()
+            drops.append((share, by_uv < c.visual_uv_share) if dropped else (1.0, False))
+        return drops
+
+    def inputs(self, items: list[dict], drops: list[tuple[float, bool]] | None = None, seed: int = 0) -> list[dict]:
         """The transformers forward's batches of `items` (cached examples) with their answers as
         labels, and the target's top-k at those answers: one batch for Qwen2.5-VL, whose forward
         takes videos of any lengths together; for LLaVA-OneVision, whose forward stacks its videos,
-        one batch per frame count."""
+        one batch per frame count. `drops`: per item, (share of the visual tokens seen, picked by
+        UV-Prune) (draw_drops; None: every item sees its whole video); `seed` draws the random subsets."""
+        drops = drops or [(1.0, False)] * len(items)
         if self.arch == "qwen2_5_vl":
-            return [self._batch(items)]
+            return [self._batch(items, drops, seed)]
         counts = sorted({it["frames"].shape[0] for it in items})
-        return [self._batch([it for it in items if it["frames"].shape[0] == n]) for n in counts]
+        return [self._batch([it for it in items if it["frames"].shape[0] == n],
+                            [d for it, d in zip(items, drops) if it["frames"].shape[0] == n], seed + n)
+                for n in counts]
 
-    def _batch(self, items: list[dict]) -> dict:
+    def _batch(self, items: list[dict], drops: list[tuple[float, bool]], seed: int) -> dict:
         from zoo.train.data import Example, model_inputs
 
         examples = [Example(it["frames"], it["prompt"], None, None, fps=it["fps"], answer_ids=it["answer"].tolist())
                     for it in items]
         batch = model_inputs(self.net.config, self.lm.tokenizer, examples, with_answers=True, norm=self.norm)
+        if any(share < 1 for share, _ in drops):
+            self._drop_visual_tokens(batch, items, drops, seed)
         batch["answer"] = torch.cat([it["answer"] for it in items])
         batch["top_ids"] = torch.cat([it["top_ids"] for it in items])
         batch["top_logp"] = torch.cat([it["top_logp"] for it in items])
         return batch
+
+    @torch.no_grad()
+    def _drop_visual_tokens(self, batch: dict, items: list[dict], drops: list[tuple[float, bool]], seed: int) -> None:
+        """Shows each row of `batch` only its share of the visual tokens, each at its position in
+        the whole prompt (zoo.train.dropout): the positions are fixed from the whole prompt first,
+        then the dropped tokens leave the attention mask."""
+        from zoo.train.data import shifted_positions
+        from zoo.train.dropout import keep_mask
+
+        config = self.net.config
+        video_id = config.video_token_id if self.arch == "qwen2_5_vl" else config.video_token_index
+        is_video = batch["input_ids"] == video_id                                  # [B, T]
+        scores = torch.rand(is_video.shape, generator=torch.Generator().manual_seed(seed))
+        for row, (item, (_, by_uv)) in enumerate(zip(items, drops)):
+            if not by_uv:
+                continue
+            found = item.get("uv_scores")
+            if found is None or found.numel() != int(is_video[row].sum()):
+                raise ValueError(f"an example's UV-Prune scores cover {None if found is None else found.numel()} "
+                                 f"visual tokens, its prompt has {int(is_video[row].sum())}: rebuild the example cache")
+            scores[row, is_video[row]] = found
+        batch["position_ids"] = shifted_positions(self.net, batch, torch.zeros_like(batch["input_ids"]))
+        shares = torch.tensor([share for share, _ in drops])
+        batch["attention_mask"] = batch["attention_mask"] * keep_mask(is_video, scores, shares)
 
     def _forward(self, batches: list[dict]) -> tuple[torch.Tensor, ...]:
         """(the draft's logits [N, V] at every answer position of the batches, the answers [N], the
@@ -280,18 +371,27 @@ class DraftRecipe(TargetRecipe, loop.Recipe):
         c = self.config
         return {"loss": c.ce_weight * ce + c.kl_weight * kl, "ce": ce, "kl": kl}
 
+    def _top1(self, keep: float | None) -> float:
+        """The share of the held-out answers' positions where the draft's greedy token is the
+        target's; `keep`: the draft sees that share of the visual tokens, UV-Prune's choice."""
+        hits = total = 0
+        step = self.config.batch_examples
+        for i in range(0, len(self.heldout), step):
+            items = self.heldout[i:i + step]
+            drops = None if keep is None else [(keep, True)] * len(items)
+            batches = [{k: v.to(self.device) for k, v in b.items()} for b in self.inputs(items, drops)]
+            logits, answer, _, _ = self._forward(batches)
+            hits += int((logits.argmax(-1) == answer).sum())
+            total += len(answer)
+        return round(hits / max(1, total), 4)
+
     @torch.no_grad()
     def evaluate(self, final: bool) -> dict:
         was_training = self.net.training
         self.net.eval()
-        hits = total = 0
-        for i in range(0, len(self.heldout), self.config.batch_examples):
-            batches = [{k: v.to(self.device) for k, v in b.items()}
-                       for b in self.inputs(self.heldout[i:i + self.config.batch_examples])]
-            logits, answer, _, _ = self._forward(batches)
-            hits += int((logits.argmax(-1) == answer).sum())
-            total += len(answer)
-        out = {"top1_heldout": round(hits / max(1, total), 4)}
+        out = {"top1_heldout": self._top1(None)}
+        if self.config.scores_uv:
+            out["top1_heldout_pruned"] = self._top1(self.config.eval_keep)
         if self.eval_clips or not self.source:
             # in fp32 the final check also decodes plainly and fails on any token difference; not for
             # a `random:` target, whose noise may pick ids past the tokenizer the two models share
@@ -376,7 +476,10 @@ class _DraftBatches(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         data, per_step, step = self.recipe.data, self.recipe.config.batch_examples, self.start
+        dropping = self.recipe.config.visual_drop > 0
         while True:
             rng = random.Random(f"{self.seed}-{step}")
-            yield self.recipe.inputs([data[rng.randrange(len(data))] for _ in range(per_step)])
+            items = [data[rng.randrange(len(data))] for _ in range(per_step)]
+            drops = self.recipe.draw_drops(len(items), rng) if dropping else None
+            yield self.recipe.inputs(items, drops, seed=rng.getrandbits(62))
             step += 1

@@ -158,3 +158,97 @@ def test_a_llava_draft_trains_on_videos_of_different_lengths_in_one_step(tmp_pat
                    log_every=1, warmup=1, out=str(tmp_path / "draft"), checkpoint_every=0)
     assert result["steps"] == 2 and result["accepted_length_heldout"] >= 1.0
     assert (tmp_path / "draft" / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------ visual-token dropout
+
+def dropping_recipe(target: str, init: str, uv_layers: tuple[int, ...]):
+    """A built recipe with visual-token dropout on, from two toy-world examples."""
+    from zoo.train.config import parse_flat
+    from zoo.train.draft import DraftRecipe, DraftTrainConfig
+    from zoo.train.loop import LoopConfig
+    from zoo.train.user_data import UserDataConfig
+
+    _, videos, config = parse_flat(dict(target=target, init=init, examples=2, seconds=(2.0, 3.0), max_new_tokens=6,
+                                        visual_drop=1.0, uv_layers=uv_layers), LoopConfig, UserDataConfig,
+                                   DraftTrainConfig)
+    recipe = DraftRecipe(config, videos, None, False)
+    recipe.build(torch.device("cpu"))
+    return recipe
+
+
+@pytest.mark.parametrize("family, uv_layers", [("qwen", (1, 2, 3)), ("llava", (0, 1, 2))])
+def test_a_dropped_example_shows_the_draft_what_parallelvlms_draft_sees(family, uv_layers):
+    """With UV-Prune's share kept, the training forward's logits along the answer are those of the
+    draft prefilled with only the tokens the UVPrune stage keeps, at their own positions (what
+    SelectedPrefill runs), then the answer; the scores cached with the example are the stage's."""
+    from models.load import adapted
+    from stages.prune import UVPrune
+    from stages.types import Taps
+
+    recipe = dropping_recipe(f"zoo/weights/{family}-target", f"zoo/weights/{family}-draft", uv_layers)
+    lm, item = recipe.lm, recipe.data[0]
+    frames, fps, prompt = item["frames"], item["fps"], item["prompt"]
+    layout = lm.layout(prompt, frames.shape[0], tuple(frames.shape[-2:]), fps)
+    hidden = {}
+    lm.prefill(lm.new_cache(), lm.embed(layout.ids, lm.encode(frames), layout.video_start), layout.positions,
+               taps=uv_layers, on_tap=lambda layer, h: hidden.__setitem__(layer, h), logits="none")
+    chosen = UVPrune(keep=0.1, layers=list(uv_layers))(None, Taps(hidden, layout))["selection"].keep
+    assert item["uv_scores"].shape == (layout.n_video,)
+
+    recipe.net.eval()
+    with torch.no_grad():
+        masked, answer, _, _ = recipe._forward(recipe.inputs([item], [(0.1, True)]))
+        whole, _, _, _ = recipe._forward(recipe.inputs([item]))
+        with adapted(recipe.net, lm.tokenizer, {"image_mean": list(lm.mean), "image_std": list(lm.std),
+                                                "fps": fps}) as draft:
+            d_layout = draft.layout(prompt, frames.shape[0], tuple(frames.shape[-2:]), fps)
+            rows = torch.cat([torch.arange(d_layout.video_start), d_layout.video_start + chosen,
+                              torch.arange(d_layout.video_start + d_layout.n_video, d_layout.length)])
+            embeds = draft.embed(d_layout.ids, draft.encode(frames), d_layout.video_start)
+            cache = draft.new_cache()
+            first = draft.prefill(cache, embeds[rows], d_layout.positions[:, rows])
+            rest = draft.score(cache, answer[:-1], d_layout.length, d_layout)
+    selected = torch.cat([first[None], rest])[:, :masked.shape[-1]]
+    # float32 both ways; the two paths order their sums differently (one masked attention over the
+    # whole prompt, one over the kept rows), a few ulps of logits ~10: 1e-4 as the toy's dropout test
+    assert torch.allclose(masked, selected, atol=1e-4)
+    assert not torch.allclose(whole, selected, atol=1e-3)           # the dropout did something
+
+
+def test_a_random_subset_keeps_its_share_of_the_video_at_the_whole_prompts_positions():
+    from zoo.train.data import shifted_positions
+
+    recipe = dropping_recipe(TARGET, "zoo/weights/qwen-draft", (1, 2, 3))
+    item = recipe.data[0]
+    (plain,), (dropped,) = recipe.inputs([item]), recipe.inputs([item], [(0.3, False)], seed=1)
+    is_video = plain["input_ids"] == recipe.net.config.video_token_id
+    m = int(is_video.sum())
+    seen = dropped["attention_mask"].bool() & is_video
+    assert int(seen.sum()) == -(-3 * m // 10)                       # ⌈0.3 m⌉
+    assert torch.equal(dropped["attention_mask"].bool() | is_video, plain["attention_mask"].bool())
+    assert torch.equal(dropped["position_ids"], shifted_positions(recipe.net, plain, torch.zeros_like(
+        plain["input_ids"])))
+    (again,) = recipe.inputs([item], [(0.3, False)], seed=1)
+    (other,) = recipe.inputs([item], [(0.3, False)], seed=2)
+    assert torch.equal(again["attention_mask"], dropped["attention_mask"])
+    assert not torch.equal(other["attention_mask"], dropped["attention_mask"])
+    drops = recipe.draw_drops(400, __import__("random").Random(0))
+    shares = torch.tensor([s for s, _ in drops])
+    assert bool(((shares >= 0.05) & (shares <= 0.5)).all())        # visual_drop 1: every example drops
+    assert 0.7 < sum(uv for _, uv in drops) / 400 < 0.9             # visual_uv_share 0.8
+
+
+def test_a_draft_trained_with_dropout_reports_its_pruned_agreement(folder, tmp_path):
+    result = short_run(folder, tmp_path / "draft", tmp_path / "cache", steps=2, eval_every=0, visual_drop=0.5,
+                       init="zoo/weights/qwen-draft", shape=None, uv_layers=(1, 2, 3))
+    assert 0 <= result["top1_heldout_pruned"] <= 1 and result["top1_heldout_pruned"] != result["top1_heldout"]
+    assert "top1_heldout_pruned" in (tmp_path / "draft" / "README.md").read_text()
+    example = torch.load(Path(result["trained_on"]["example_cache"]) / "clip-00000.pt")
+    assert example["uv_scores"].dtype == torch.float32 and example["uv_scores"].numel() > 0
+    with pytest.raises(ConfigError, match=r"visual_keep=\[0.5, 0.2\]"):
+        short_run(folder, tmp_path / "d", tmp_path / "cache", visual_drop=0.5, visual_keep=(0.5, 0.2))
+    with pytest.raises(ConfigError, match=r"uv_layers=\[2\]"):
+        short_run(folder, tmp_path / "d", tmp_path / "cache", visual_drop=0.5, uv_layers=(2,))
+    with pytest.raises(ConfigError, match=r"uv_layers=\[0, 9\]: the target has layers 0..6"):
+        short_run(folder, tmp_path / "d", tmp_path / "cache", visual_drop=0.5, uv_layers=(0, 9))
