@@ -139,10 +139,14 @@ class ToyRecipe(loop.Recipe):
         log.info("%s: caption F1 %.3f on %d held-out %g-s videos", c.model, f1, c.eval_videos, c.eval_seconds)
         out = {f"f1_at_{c.eval_seconds:g}s": round(f1, 4), "eval_seeds": list(seeds)}
         if self.teacher is not None:     # a draft: how often it agrees with its teacher, whole and pruned
+            # pruned by UV-Prune on the layers the dropout was trained with (l_0..L: their sum telescopes)
+            layers = tuple(range(c.drop.uv_layers[0], c.drop.uv_layers[1] + 1))
             for alpha in (0.0, 0.9):
-                agree = teacher_agreement(self.net, self.teacher, self.tokenizer, seeds, c.eval_seconds, alpha)
-                log.info("%s: greedy agreement with the teacher %.3f at alpha %g (UV-Prune)", c.model, agree, alpha)
+                agree = teacher_agreement(self.net, self.teacher, self.tokenizer, seeds, c.eval_seconds, alpha, layers)
+                log.info("%s: greedy agreement with the teacher %.3f at alpha %g (UV-Prune on layers %s)", c.model,
+                         agree, alpha, list(layers))
                 out[f"agreement_alpha{alpha:g}"] = round(agree, 4)
+            out["agreement_uv_layers"] = list(layers)
         return out
 
     def default_out(self) -> Path:
@@ -286,10 +290,12 @@ def caption_f1(model, tokenizer, seeds, seconds: float) -> float:
 
 
 @torch.no_grad()
-def teacher_agreement(model, teacher, tokenizer, seeds, seconds: float, alpha: float = 0.0) -> float:
+def teacher_agreement(model, teacher, tokenizer, seeds, seconds: float, alpha: float = 0.0,
+                      uv_layers: tuple[int, ...] = (0, 1, 2)) -> float:
     """zoo.card's greedy agreement of `model` (a draft in memory) with `teacher` along the
     teacher's greedy descriptions of held-out worlds `seeds` of `seconds` s (rendered frames), the
-    draft seeing the visual tokens UV-Prune keeps at `alpha` (0: all). Both are left as found."""
+    draft seeing the visual tokens UV-Prune keeps at `alpha` (0: all) on the teacher's layers
+    `uv_layers`. Both are left as found."""
     from zoo.card import agreement, uv_keep
 
     arch = model.config.model_type
@@ -299,7 +305,7 @@ def teacher_agreement(model, teacher, tokenizer, seeds, seconds: float, alpha: f
         for seed in seeds:
             ex = example(int(seed), seconds, FPS[arch])
             answer = greedy_answer(target, ex.frames, ex.fps, ex.prompt, answer_budget(ex.truth))
-            keep = uv_keep(target, ex.frames, ex.fps, alpha) if alpha > 0 else None
+            keep = uv_keep(target, ex.frames, ex.fps, alpha, uv_layers) if alpha > 0 else None
             a, b = agreement(draft, ex.frames, ex.fps, answer, keep)
             hits, total = hits + a, total + b
     return hits / max(total, 1)
