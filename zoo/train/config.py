@@ -135,6 +135,18 @@ class ToyLosses:
         return out
 
 
+def visual_drop_problems(visual_drop: float, visual_uv_share: float, visual_keep: tuple[float, float]) -> list[str]:
+    """What is wrong with visual-token dropout's shares (the toy recipe's and train_draft's)."""
+    out = [f"{name}={value}: a share of the examples, in [0, 1]"
+           for name, value in (("visual_drop", visual_drop), ("visual_uv_share", visual_uv_share))
+           if not 0.0 <= value <= 1.0]
+    low, high = visual_keep
+    if not 0 < low <= high <= 1:
+        out.append(f"visual_keep={list(visual_keep)}: [low, high] fractions of the visual tokens kept, "
+                   "0 < low <= high <= 1")
+    return out
+
+
 @dataclass(frozen=True)
 class ToyVisualDrop:
     """Visual-token dropout (zoo.train.toy.visual_keep): for a share of the examples the model sees
@@ -147,14 +159,7 @@ class ToyVisualDrop:
     uv_layers: tuple[int, int] = (0, 2)           # the teacher's layers l_0 and L whose similarity change scores them
 
     def problems(self) -> list[str]:
-        out = []
-        for name in ("visual_drop", "visual_uv_share"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                out.append(f"{name}={getattr(self, name)}: a share of the examples, in [0, 1]")
-        low, high = self.visual_keep
-        if not 0 < low <= high <= 1:
-            out.append(f"visual_keep={list(self.visual_keep)}: [low, high] fractions of the visual tokens kept, "
-                       "0 < low <= high <= 1")
+        out = visual_drop_problems(self.visual_drop, self.visual_uv_share, self.visual_keep)
         if not 0 <= self.uv_layers[0] < self.uv_layers[1]:
             out.append(f"uv_layers={list(self.uv_layers)}: [l_0, L], the teacher's layers, 0 <= l_0 < L "
                        "(0: the embeddings)")

@@ -45,7 +45,7 @@ from models.decoding import decode
 from models.load import load_model
 from models.pruning import uv_scores
 from zoo.train import loop
-from zoo.train.config import LoopConfig, parse_flat
+from zoo.train.config import LoopConfig, parse_flat, visual_drop_problems
 from zoo.train.user_data import (
     TargetRecipe,
     UserDataConfig,
@@ -109,13 +109,7 @@ class DraftTrainConfig:
                 out.append(f"{key}={getattr(self, key)}: at least 1")
         if self.ce_weight < 0 or self.kl_weight < 0 or self.ce_weight + self.kl_weight <= 0:
             out.append(f"ce_weight={self.ce_weight}, kl_weight={self.kl_weight}: non-negative, not both 0")
-        for name in ("visual_drop", "visual_uv_share"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                out.append(f"{name}={getattr(self, name)}: a share of the examples, in [0, 1]")
-        low, high = self.visual_keep
-        if not 0 < low <= high <= 1:
-            out.append(f"visual_keep={list(self.visual_keep)}: [low, high] shares of the visual tokens kept, "
-                       "0 < low <= high <= 1")
+        out += visual_drop_problems(self.visual_drop, self.visual_uv_share, self.visual_keep)
         if not 0 < self.eval_keep <= 1:
             out.append(f"eval_keep={self.eval_keep}: the share of the visual tokens kept, in (0, 1]")
         layers = list(self.uv_layers)
