@@ -47,7 +47,12 @@ def draft_card(result: dict, trained_on: dict) -> str:
               f"target's token + {result.get('kl_weight')} x KL over its top-{result.get('topk')}",
         checks=["top1: the share of answer positions where the draft's next token is the target's; accepted_length:",
                 f"tokens committed per verification round when it drafts {result.get('window')} tokens a round and "
-                "the target verifies them."],
+                "the target verifies them."]
+        + ([f"top1_heldout_pruned: top1 when the draft sees only the {100 * result.get('eval_keep', 0):g} % of the "
+            f"visual tokens UV-Prune keeps on the target's layers {list(result.get('uv_layers', []))}, as a "
+            f"ParallelVLM draft does (trained with visual-token dropout on {100 * result['visual_drop']:g} % of the "
+            "examples)."]
+           if result.get("visual_drop") else []),
         result=result, trained_on=trained_on)
 
 

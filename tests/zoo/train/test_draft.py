@@ -243,7 +243,8 @@ def test_a_draft_trained_with_dropout_reports_its_pruned_agreement(folder, tmp_p
     result = short_run(folder, tmp_path / "draft", tmp_path / "cache", steps=2, eval_every=0, visual_drop=0.5,
                        init="zoo/weights/qwen-draft", shape=None, uv_layers=(1, 2, 3))
     assert 0 <= result["top1_heldout_pruned"] <= 1 and result["top1_heldout_pruned"] != result["top1_heldout"]
-    assert "top1_heldout_pruned" in (tmp_path / "draft" / "README.md").read_text()
+    card = (tmp_path / "draft" / "README.md").read_text()
+    assert "| top1_heldout_pruned |" in card and "UV-Prune keeps on the target's layers [1, 2, 3]" in card
     example = torch.load(Path(result["trained_on"]["example_cache"]) / "clip-00000.pt")
     assert example["uv_scores"].dtype == torch.float32 and example["uv_scores"].numel() > 0
     with pytest.raises(ConfigError, match=r"visual_keep=\[0.5, 0.2\]"):
