@@ -7,6 +7,7 @@ settings refused with a clear message."""
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -183,6 +184,7 @@ def test_a_dropped_example_shows_the_draft_what_parallelvlms_draft_sees(family, 
     draft prefilled with only the tokens the UVPrune stage keeps, at their own positions (what
     SelectedPrefill runs), then the answer; the scores cached with the example are the stage's."""
     from models.load import adapted
+    from models.pruning import keep_top
     from stages.prune import UVPrune
     from stages.types import Taps
 
@@ -195,6 +197,7 @@ def test_a_dropped_example_shows_the_draft_what_parallelvlms_draft_sees(family, 
                taps=uv_layers, on_tap=lambda layer, h: hidden.__setitem__(layer, h), logits="none")
     chosen = UVPrune(keep=0.1, layers=list(uv_layers))(None, Taps(hidden, layout))["selection"].keep
     assert item["uv_scores"].shape == (layout.n_video,)
+    assert torch.equal(keep_top(item["uv_scores"], 0.1), chosen)
 
     recipe.net.eval()
     with torch.no_grad():
@@ -233,7 +236,7 @@ def test_a_random_subset_keeps_its_share_of_the_video_at_the_whole_prompts_posit
     (other,) = recipe.inputs([item], [(0.3, False)], seed=2)
     assert torch.equal(again["attention_mask"], dropped["attention_mask"])
     assert not torch.equal(other["attention_mask"], dropped["attention_mask"])
-    drops = recipe.draw_drops(400, __import__("random").Random(0))
+    drops = recipe.draw_drops(400, random.Random(0))
     shares = torch.tensor([s for s, _ in drops])
     assert bool(((shares >= 0.05) & (shares <= 0.5)).all())        # visual_drop 1: every example drops
     assert 0.7 < sum(uv for _, uv in drops) / 400 < 0.9             # visual_uv_share 0.8
