@@ -3,7 +3,9 @@
     StepCost    a decode step (k = 1), k-token verifications and a draft tree, each timed by the
                 engine (ctx.timer) over `repeats` forwards that are rolled back, beside the bytes the
                 step must read (weights and cached entries) and a copy of that many bytes, timed
-                the same way: the memory-traffic floor of the step on this machine (bench_step)
+                the same way: the memory-traffic floor of the step on this machine; and beside each
+                forward's arithmetic and a large matrix product, timed the same way: the fewest
+                milliseconds that arithmetic takes at the device's matrix rate (bench_step)
     ScoreCost   one k-token forward `repeats` times (bench_verify: the verifier's forward against
                 the one-token step, by attention implementation)
 """
@@ -31,6 +33,16 @@ def parse_shape(shape) -> tuple[str, int]:
     if not count.isdigit() or int(count) < 1:
         raise ValueError(f"shape {shape!r}: a token count (8 or 'k8') or a tree size ('tree30')")
     return kind, int(count)
+
+
+def matmul_probe(device, dtype) -> tuple:
+    """A square matrix product in the model's dtype, large enough to run at the device's matrix
+    rate (1,024 a side on a CPU, 8,192 on a GPU), and its floating-point operations: timed beside
+    the forwards, the fastest rate their arithmetic could run at on this machine."""
+    side = 8192 if torch.device(device).type == "cuda" else 1024
+    a, b = (torch.randn(side, side, device=device, dtype=dtype) for _ in range(2))
+    out = torch.empty(side, side, device=device, dtype=dtype)
+    return functools.partial(torch.matmul, a, b, out=out), 2 * side**3
 
 
 def step_bytes(lm, cache) -> dict:
@@ -67,7 +79,8 @@ class StepCost(Stage):
         total = sizes["weight_bytes"] + sizes["cache_bytes"]
         source = torch.ones(total // 4, device=lm.device)
         target = torch.empty_like(source)
-        forwards = []                                  # (timer name, the forward, how many to roll back)
+        entries = lm.cached_length(kv.cache)
+        forwards, flops = [], {}                       # (timer name, the forward, how many to roll back)
         for kind, n in self.shapes:
             ids = torch.full((n,), token)
             if kind == "chain":
@@ -76,7 +89,10 @@ class StepCost(Stage):
                 parents = bushy_tree(n)
                 forwards.append((f"tree{n}", functools.partial(lm.score_tree, kv.cache, ids, tree_mask(parents),
                                                                tree_depths(parents), start, layout), n))
-        forwards.append(("copy", functools.partial(target.copy_, source), 0))
+            flops[f"flops_{forwards[-1][0]}"] = lm.forward_flops(n, entries)
+        matmul, matmul_flops = matmul_probe(lm.device, lm.dtype)
+        forwards.append(("matmul", matmul, 0))
+        forwards.append(("copy", functools.partial(target.copy_, source), 0))     # last: the next round reads from memory
         # round by round, every shape once a round: the machine's speed drifts over seconds, and
         # shapes timed in blocks one after another would carry the drift into their ratios
         for r in range(self.repeats + 1):              # the first round is a warm-up, untimed
@@ -86,6 +102,7 @@ class StepCost(Stage):
                 if n:
                     lm.drop_last(kv.cache, n)
         meta = {**sizes, "step_bytes": total, "copy_bytes": 2 * source.numel() * 4,    # read + write
+                **flops, "matmul_flops": matmul_flops,
                 "cache_entries": lm.cached_length(kv.cache), "lean": lm.lean is not None, "model": lm.name}
         return {"tokens": Tokens([], None, meta)}
 

@@ -298,6 +298,19 @@ class VideoLM:
         params = [*self.text.layers.parameters(), *self.text.norm.parameters(), self.lm_head.weight]
         return int(sum(p.numel() * (2 if holds_bfloat16(p) else p.element_size()) for p in params))
 
+    def forward_flops(self, new: int, cached: int) -> int:
+        """Floating-point operations a forward of `new` tokens after `cached` entries does at least
+        (a multiply-add counts two): each token through every decoder layer's weight matrices and
+        the LM head, and in attention each query head scoring every cached and new key and summing
+        its value. Norms, biases and rotary are left out (a rounding error beside them); a tree's
+        nodes see only their ancestors among the new tokens, counted whole (an upper bound of a
+        few new keys against the cache's thousands)."""
+        matrices = [p for p in [*self.text.layers.parameters(), self.lm_head.weight] if p.dim() == 2]
+        heads = self.text_config.num_attention_heads
+        head_dim = getattr(self.text_config, "head_dim", None) or self.hidden_size // heads
+        attention = self.n_layers * heads * 2 * head_dim * (cached + new)        # QK and PV, a token
+        return 2 * new * (sum(p.numel() for p in matrices) + attention)
+
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
 

@@ -68,11 +68,28 @@ def test_step_cost_times_every_shape_and_leaves_the_cache_as_it_was(tmp_path):
     for name, t0, t1 in probe.parts:
         assert t1 >= t0
         counts[name] = counts.get(name, 0) + 1
-    assert counts == {"k1": 3, "k4": 3, "tree6": 3, "copy": 3}          # the warm-ups are not timed
-    # interleaved, a round of every shape at a time: drift over the run falls on every shape alike
-    assert [name for name, _, _ in probe.parts] == ["k1", "k4", "tree6", "copy"] * 3
+    assert counts == {"k1": 3, "k4": 3, "tree6": 3, "matmul": 3, "copy": 3}     # the warm-ups are not timed
+    # interleaved, a round of every shape at a time: drift over the run falls on every shape alike;
+    # the copy last, so that each round's first forward reads its weights from memory
+    assert [name for name, _, _ in probe.parts] == ["k1", "k4", "tree6", "matmul", "copy"] * 3
     meta = result.outputs["probe.tokens"].meta
     kv = result.outputs["prefill.kv"]
     assert meta["cache_entries"] == kv.layout.length                     # every forward rolled back
     assert meta["step_bytes"] == meta["weight_bytes"] + meta["cache_bytes"] and meta["lean"] is True
     assert meta["copy_bytes"] == 2 * 4 * (meta["step_bytes"] // 4)
+    assert meta["matmul_flops"] == 2 * 1024**3                            # the CPU's probe: 1,024 a side
+    entries = meta["cache_entries"]
+    lm = load_model(target["path"])
+    assert (meta["flops_k1"], meta["flops_k4"], meta["flops_tree6"]) == tuple(
+        lm.forward_flops(n, entries) for n in (1, 4, 6))
+
+
+def test_forward_flops_count_every_weight_matrix_and_attention_over_each_key(tmp_path):
+    lm = load_model(str(random_checkpoint(tmp_path / "m", "qwen-draft")))
+    c = lm.text_config
+    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads) == (128, 384, 2, 1)
+    per_layer = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 384          # q, k, v, o; gate, up, down
+    weights = c.num_hidden_layers * per_layer + c.vocab_size * 128             # and the LM head
+    # a token over 10 cached entries and itself: each of 2 heads scores 11 keys and sums 11 values of 64
+    assert lm.forward_flops(1, 10) == 2 * (weights + 2 * 2 * 2 * 64 * 11)
+    assert lm.forward_flops(3, 10) == 3 * 2 * (weights + 2 * 2 * 2 * 64 * 13)
