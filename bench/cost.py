@@ -92,7 +92,8 @@ class StepCost(Stage):
             flops[f"flops_{forwards[-1][0]}"] = lm.forward_flops(n, entries)
         matmul, matmul_flops = matmul_probe(lm.device, lm.dtype)
         forwards.append(("matmul", matmul, 0))
-        forwards.append(("copy", functools.partial(target.copy_, source), 0))     # last: the next round reads from memory
+        # the copy last: the next round's first forward reads its weights from memory
+        forwards.append(("copy", functools.partial(target.copy_, source), 0))
         # round by round, every shape once a round: the machine's speed drifts over seconds, and
         # shapes timed in blocks one after another would carry the drift into their ratios
         for r in range(self.repeats + 1):              # the first round is a warm-up, untimed
