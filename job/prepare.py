@@ -14,6 +14,9 @@ def prepare(cfg: DictConfig, n_cuda: int | None = None) -> tuple[GraphSpec, Plan
     """Everything that can be checked without building a stage: the config's whole validation."""
     from omegaconf.errors import InterpolationResolutionError
 
+    model_problems = model_entry_problems(cfg.get("model"))
+    if model_problems:
+        raise ConfigError(model_problems)
     resources, cores, strict = load_resources(cfg.get("resources"), n_cuda=n_cuda)
     try:
         spec = build_graph(cfg.get("graph"), resources)
@@ -30,6 +33,32 @@ def prepare(cfg: DictConfig, n_cuda: int | None = None) -> tuple[GraphSpec, Plan
         if ref and ("." not in ref or ref.rsplit(".", 1)[1] not in getattr(spec.nodes.get(ref.rsplit(".", 1)[0]), "out_ports", {})):
             raise ConfigError(f"graph.{key}={ref} names no node.port of this graph. Fix: e.g. graph.{key}={example}")
     return spec, plan
+
+
+def model_entry_problems(models: DictConfig | None) -> list[str]:
+    """The settings of each model entry (`model.target`, `model.draft`: a mapping with a path),
+    checked as the model loader would check them, so that a misspelt key or value stops the run
+    before any model loads. An entry whose interpolations do not resolve is left to the graph's
+    check, which names what they refer to."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from models.load import setting_problems
+    from models.registry import SPEC_KEYS
+
+    problems = []
+    for role, entry in (models or {}).items():
+        if not isinstance(entry, DictConfig) or "path" not in entry:
+            continue
+        try:
+            entry = OmegaConf.to_container(entry, resolve=True)
+        except OmegaConfBaseException:
+            continue
+        unknown = sorted(set(entry) - set(SPEC_KEYS))
+        problems += [f"model.{role}.{key}: no such key; a model entry takes {', '.join(SPEC_KEYS)}" for key in unknown]
+        settings = {k: entry[k] for k in ("dtype", "lean", "compile", "pack") if entry.get(k) is not None}
+        problems += [f"model.{role}.{problem}" for problem in setting_problems(**settings)]
+    return problems
 
 
 def graph_ports(cfg: DictConfig) -> tuple[str | None, str | None]:

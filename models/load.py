@@ -41,6 +41,26 @@ def resolve(path: str) -> str:
     return path
 
 
+def setting_problems(*, dtype: str = "float32", lean: bool = True, compile: str = "off", pack="auto") -> list[str]:
+    """What is wrong with a model entry's settings, found without loading anything (a run's config
+    check calls it for each model entry; load_model refuses the same). Each problem names the key,
+    the value and the values it takes."""
+    from models.steps import SETTINGS
+
+    problems = []
+    if dtype not in DTYPES:
+        problems.append(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+    if compile not in SETTINGS:
+        problems.append(f"compile={compile!r}: use one of {', '.join(SETTINGS)}")
+    if not (isinstance(pack, bool) or pack in ("auto", "tiled")):
+        problems.append(f"pack={pack!r}: use auto, true, false or tiled")
+    if compile != "off" and compile in SETTINGS and not lean:
+        problems.append("compile needs the lean path (lean: true): it compiles the lean step")
+    if pack == "tiled" and compile == "off":
+        problems.append("pack=tiled serves the compiled steps' products: set compile (default or auto) too")
+    return problems
+
+
 def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa",
                lean: bool = True, compile: str = "off", pack="auto", name: str | None = None):
     """The checkpoint at `path` behind the VideoLM protocol. lean: decode steps and verifications
@@ -54,14 +74,11 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
     models.tiled), or "auto" (on the CPU, whichever measures fastest here; measured once, then
     remembered)."""
     from models.compile_auto import choose_mode
-    from models.steps import CAPTURED, SETTINGS, build_step
+    from models.steps import CAPTURED, build_step
 
-    if compile not in SETTINGS:
-        raise ModelError(f"compile={compile!r}: use one of {', '.join(SETTINGS)}")
-    if not (isinstance(pack, bool) or pack in ("auto", "tiled")):
-        raise ModelError(f"pack={pack!r}: use auto, true, false or tiled")
-    if compile != "off" and not lean:
-        raise ModelError("compile needs the lean path (lean: true): it compiles the lean step")
+    problems = setting_problems(dtype=dtype, lean=lean, compile=compile, pack=pack)
+    if problems:
+        raise ModelError("; ".join(problems))
     if compile in CAPTURED and not str(device).startswith("cuda"):
         raise ModelError(f"compile={compile} captures CUDA graphs and needs a CUDA device (device={device}); "
                          "on the CPU use compile=default or auto")
@@ -118,8 +135,6 @@ def _pack(lm, pack, *, fused: bool) -> None:
         if not tiles_apply(weight):
             why = unavailable_reason() or f"the weights are {weight.dtype} on {weight.device}"
             raise ModelError(f"pack=tiled needs float32 weights on the CPU and the tiled kernel: {why}")
-        if not fused:
-            raise ModelError("pack=tiled serves the compiled steps' products: set compile (default or auto) too")
         if not tiles_fit:
             raise ModelError(f"pack=tiled copies the decoder layers ({extra / 2**30:.1f} GiB) and this machine has "
                              f"{room / 2**30:.1f} GiB available: use pack=true (packed in place) or false")

@@ -144,7 +144,8 @@ def test_bad_config_exits_nonzero_with_one_readable_message(override, expect, tm
     (["data.path=/nowhere/clip.mp4"], 2, "data.path=/nowhere/clip.mp4: no such file"),
     (["model=none"], 2, "Fix: choose what it refers to, e.g. model=toy_qwen"),
     (["model.target.path=SHORT"], 1, "beyond qwen-target's context of 256: sample fewer frames"),
-], ids=["unknown-model", "prompt-without-video", "missing-video", "no-model", "beyond-context"])
+    (["model.target.compile=bogus"], 2, "model.target.compile='bogus': use one of auto, off"),
+], ids=["unknown-model", "prompt-without-video", "missing-video", "no-model", "beyond-context", "bad-setting"])
 def test_bad_input_is_one_clear_message(args, code, expect, tmp_path):
     if args == ["model.target.path=SHORT"]:     # a checkpoint whose context the sample video overflows
         from tests.models.test_adapters import random_checkpoint

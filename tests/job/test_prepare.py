@@ -1,0 +1,49 @@
+"""A job's config check (job.prepare): the model entries' settings are checked as the loader checks
+them, so a misspelt value stops the run before anything loads."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from graph.spec import ConfigError
+from job.prepare import model_entry_problems, prepare
+
+ENTRY = {"path": "zoo/weights/qwen-target", "dtype": "float32", "lean": True, "compile": "off", "pack": "auto"}
+
+
+def models(**changes) -> OmegaConf:
+    return OmegaConf.create({"target": {**ENTRY, **changes.get("target", {})},
+                             "draft": {**ENTRY, **changes.get("draft", {})},
+                             "sparrow": "zoo/weights/qwen-sparrow", "uv_layers": [1, 2, 3]})
+
+
+def test_good_entries_and_other_model_keys_pass():
+    assert model_entry_problems(models()) == []
+    assert model_entry_problems(None) == []                                  # model=none
+
+
+@pytest.mark.parametrize("change,expect", [
+    ({"target": {"compile": "bogus"}}, "model.target.compile='bogus': use one of auto, off, default"),
+    ({"draft": {"pack": "tilde"}}, "model.draft.pack='tilde': use auto, true, false or tiled"),
+    ({"target": {"dtype": "float8"}}, "model.target.dtype='float8': use one of float32"),
+    ({"target": {"lean": False, "compile": "default"}}, "model.target.compile needs the lean path"),
+    ({"target": {"pack": "tiled"}}, "model.target.pack=tiled serves the compiled steps' products"),
+    ({"target": {"compil": "default"}}, "model.target.compil: no such key; a model entry takes path"),
+])
+def test_each_bad_setting_is_named_with_what_it_takes(change, expect):
+    problems = model_entry_problems(models(**change))
+    assert len(problems) == 1 and problems[0].startswith(expect), problems
+
+
+def test_every_problem_at_once_before_the_graph_is_built():
+    cfg = OmegaConf.create({"model": models(target={"compile": "bogus"}, draft={"pack": "tilde"}),
+                            "graph": {"nodes": {}}})
+    with pytest.raises(ConfigError, match=r"2 problems") as info:
+        prepare(cfg)
+    assert [p.split("=")[0] for p in info.value.problems] == ["model.target.compile", "model.draft.pack"]
+
+
+def test_an_entry_whose_interpolation_does_not_resolve_is_left_to_the_graph_check():
+    entry = OmegaConf.create({"target": {**ENTRY, "fps": "${bench.fps}"}})
+    assert model_entry_problems(entry) == []
