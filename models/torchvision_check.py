@@ -7,7 +7,9 @@ package is installed (its image utilities prefer it), so one such wheel, pulled 
 package's requirements (lmms-eval's, say), would stop every model from loading. reelflow does not
 use torchvision; when it is installed but does not import, it is marked absent for this process
 (`sys.modules["torchvision"] = None`: transformers then uses its PIL image processors, as on a
-machine without it) and a warning says how to install a working one.
+machine without it). The test extra's lmms-eval brings such a wheel to every CPU install, and
+nothing of reelflow is the worse for it, so the note of how to install a working one is logged at
+debug level, not as a warning on every run.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def hide_unloadable_torchvision() -> bool:
         for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
             del sys.modules[name]
         sys.modules["torchvision"] = None
-        log.warning("torchvision is installed but does not load (%s); it is hidden from transformers for this "
+        log.debug("torchvision is installed but does not load (%s); it is hidden from transformers for this "
                     "process. For a working one beside the CPU torch: pip install torchvision --index-url "
                     "https://download.pytorch.org/whl/cpu", str(e).splitlines()[0] if str(e) else type(e).__name__)
         return True
