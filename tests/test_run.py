@@ -252,6 +252,9 @@ def test_caption_eval_scores_each_video_and_summarises(tmp_path):
     assert metrics["summary"]["score"]["f1"] == pytest.approx(sum(f1) / 2, abs=1e-6)
     table = (tmp_path / "summary.md").read_text()
     assert "| s50-8s |" in table and "**mean**" in table and "| generate |" in table
+    # the console names where every answer is, not the first request's answer as if it were the job's
+    assert metrics["runs"][0]["output_text"] not in out.stdout
+    assert "2 requests" in out.stdout + out.stderr and "summary.md" in out.stdout + out.stderr
 
 
 @pytest.mark.parametrize("case", sorted(p.stem for p in (ROOT / "conf" / "qv_case").glob("*.yaml")))
