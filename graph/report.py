@@ -20,8 +20,9 @@ show comes from the experiment's `report:` block, all optional:
         - {y: per_position_acceptance, kind: profile, hue: case, xlabel: position}   # a list-valued column
         - {x: samples_per_gop, y: ratio, hue: case, kind: line, logx: true, hline: 1}   # numeric x, a level
       repeat: bench.repeat                                    # a swept key whose values are repeats
+      legend: {wall_s: "seconds a request took"}              # what a column means, under the table
 
-A row holds the job's overrides, its metrics.json (nested keys joined by dots) and, for keys
+Every swept key is a column, listed in `columns:` or not. A row holds the job's overrides, its metrics.json (nested keys joined by dots) and, for keys
 neither sets, its composed config (e.g. graph.prune.ratio). `where` values may be lists (any
 of). Rows match their baseline on the other swept keys. Without a `report:` block: the swept
 keys, wall/ttft/decode/ideal/efficiency, and one bar plot of wall_s.
@@ -166,6 +167,13 @@ def expression_columns(expression: str) -> set[str]:
             names.add(node.id)
     # a.b.c is walked as a.b.c, a.b and a: keep the longest dotted names only
     return {n for n in names if not any(o != n and o.startswith(n + ".") for o in names)}
+
+
+def legend(meanings: dict | None, columns: list[str]) -> str:
+    """Markdown under the table: what each shown column means, from the block's `legend:`
+    (column -> a sentence), in the table's order."""
+    lines = [f"- `{c}`: {meanings[c]}" for c in columns if c in (meanings or {})]
+    return "\nColumns:\n\n" + "\n".join(lines) + "\n" if lines else ""
 
 
 def check_names(rows: list[dict], spec: dict, columns: list[str], functions: dict[str, Any]) -> None:
@@ -420,7 +428,11 @@ def write_report(sweep_dir: str | Path) -> dict[str, Path]:
             add_derived(rows, swept, name, expression, functions)
     for rel in spec.get("relative") or []:
         add_relative(rows, swept, rel["baseline"], rel["of"], rel["name"], bool(rel.get("invert")))
+    repeat = spec.get("repeat")
     columns = spec.get("columns") or ((swept or ["job"]) + [m for m in DEFAULT_METRICS if any(r.get(m) is not None for r in rows)])
+    # every key the sweep varies is a column, the block's list or not: rows that differ only in a
+    # key the table leaves out could not be told apart
+    columns = [k for k in swept if k not in columns and k != repeat] + list(columns)
     if any("speedup" in r for r in rows) and "speedup" not in columns:
         columns = columns + ["speedup"]
     check_names(rows, spec, columns, functions)
@@ -428,7 +440,6 @@ def write_report(sweep_dir: str | Path) -> dict[str, Path]:
         columns = columns + ["status"]
     out = {"md": sweep_dir / "report.md", "csv": sweep_dir / "report.csv", "png": sweep_dir / "report.png"}
     title = f"# report: {sweep_dir.name}\n\n{len(rows)} jobs; swept: {', '.join(swept) or 'nothing'}\n\n"
-    repeat = spec.get("repeat")
     shown = rows
     if repeat and repeat in swept:
         shown = over_repeats(rows, swept, repeat)
@@ -438,7 +449,7 @@ def write_report(sweep_dir: str | Path) -> dict[str, Path]:
                   + markdown(shown, summary_columns, _fmt_spread) + "\n## Every job\n\n")
         if repeat not in columns:
             columns = columns[:1] + [repeat] + columns[1:]
-    out["md"].write_text(title + markdown(rows, columns))
+    out["md"].write_text(title + markdown(rows, columns) + legend(spec.get("legend"), columns))
     all_cols = list(dict.fromkeys(k for r in rows for k in r))
     with out["csv"].open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=all_cols)

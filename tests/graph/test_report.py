@@ -388,3 +388,13 @@ def test_repeats_pair_each_job_with_its_own_repeats_baseline_and_summarise_by_th
     assert jobs.count("\n| ar |") == jobs.count("\n| sd |") == 3 and "failed: RuntimeError: boom" in jobs
     assert "| method | bench.repeat | ms |" in jobs and "| sd | 1 | 2 | 2 |" in jobs     # each job's repeat
     assert out["png"].read_bytes()[:8] == PNG_MAGIC
+
+
+def test_a_swept_key_the_columns_leave_out_is_shown_and_the_legend_says_what_columns_mean(tmp_path):
+    sweep = tmp_path / "sw"
+    report = {"columns": ["wall_s"], "legend": {"wall_s": "seconds a request took", "absent": "not shown"}}
+    for fps, wall in ((2, 1.0), (8, 3.0)):
+        make_job(sweep, str(fps), ["graph=demo", f"bench.fps={fps}"], metrics(wall), report)
+    text = write_report(sweep)["md"].read_text()
+    assert "| bench.fps | wall_s |" in text and "| 2 | 1 |" in text and "| 8 | 3 |" in text
+    assert text.endswith("Columns:\n\n- `wall_s`: seconds a request took\n")       # shown columns only
