@@ -22,10 +22,11 @@ show comes from the experiment's `report:` block, all optional:
       repeat: bench.repeat                                    # a swept key whose values are repeats
       legend: {wall_s: "seconds a request took"}              # what a column means, under the table
 
-Every swept key is a column, listed in `columns:` or not. A row holds the job's overrides, its metrics.json (nested keys joined by dots) and, for keys
+A row holds the job's overrides, its metrics.json (nested keys joined by dots) and, for keys
 neither sets, its composed config (e.g. graph.prune.ratio). `where` values may be lists (any
-of). Rows match their baseline on the other swept keys. Without a `report:` block: the swept
-keys, wall/ttft/decode/ideal/efficiency, and one bar plot of wall_s.
+of). Rows match their baseline on the other swept keys. Every swept key is a column, listed in
+`columns:` or not. Without a `report:` block: the swept keys, wall/ttft/decode/ideal/efficiency,
+and one bar plot of wall_s.
 
 A column, a `relative:` source or a name in a `derived:` expression that no job has and the block
 does not define is an error naming it and the closest metrics there are, not an empty column. A
