@@ -182,7 +182,10 @@ def compile_plan(
         planned_res.append(PlannedResource(r.name, r.kind, r.workers, threads, r.device, r.priority, r.note,
                                            elastic=r.torch_threads == "elastic", affinity=r.affinity))
     demand = sum(r.workers * r.torch_threads for r in planned_res if r.kind != "stream")
-    if runner == "threaded" and demand > cores:
+    # automatic counts give each worker one thread at least, so more workers than cores share them
+    # by design; a count someone set that asks for more than the cores is worth a warning
+    chosen = any(r.kind == "thread" and r.torch_threads not in ("auto", "elastic") for r in used)
+    if runner == "threaded" and demand > cores and chosen:
         warnings.append(f"{cpu_workers} CPU workers with {demand} torch threads in all on {cores} cores: "
                         "workers that run at the same time share cores")
 

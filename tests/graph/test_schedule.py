@@ -65,6 +65,21 @@ def test_auto_torch_threads_split_cores_between_concurrent_workers():
     assert not two.warnings
 
 
+def test_workers_beyond_the_cores_warn_only_where_a_thread_count_was_set():
+    nodes = {"a": node("bench.synthetic.Producer", "cpu"),
+             "b": node("bench.synthetic.Consumer", "target", {"item": "a.item"}),
+             "c": node("bench.synthetic.Consumer", "draft", {"item": "a.item"})}
+    pools = {"cpu": {"kind": "thread", "workers": 1, "torch_threads": "auto"},
+             "target": {"kind": "thread", "workers": 1, "torch_threads": "elastic"},
+             "draft": {"kind": "thread", "workers": 1, "torch_threads": "auto"}}
+    automatic = make(nodes, {"cores": 2, "pools": pools})[1]
+    assert [r.torch_threads for r in automatic.resources] == [1, 1, 1] and not automatic.warnings
+    pools["draft"]["torch_threads"] = 2                     # asked for: 4 threads on 2 cores
+    chosen = make(nodes, {"cores": 2, "pools": pools})[1]
+    assert chosen.warnings == ["3 CPU workers with 4 torch threads in all on 2 cores: workers that run at the "
+                               "same time share cores"]
+
+
 def test_gpu_streams_get_devices_and_priorities():
     plan = plan_for("demo", "gpu", 1)
     target, draft = plan.resource("target"), plan.resource("draft")
