@@ -44,20 +44,20 @@ def model_entry_problems(models: DictConfig | None) -> list[str]:
     from omegaconf.errors import OmegaConfBaseException
 
     from models.load import setting_problems
-    from models.registry import SPEC_KEYS
+    from models.registry import SPEC_KEYS, model_key
 
     problems = []
-    for role, entry in (models or {}).items():
-        if not isinstance(entry, DictConfig) or "path" not in entry:
-            continue
-        try:
-            entry = OmegaConf.to_container(entry, resolve=True)
+    for role in list(models.keys()) if models is not None else []:
+        try:                 # another key of the group (model.uv_layers) may not resolve: not an entry's
+            entry = OmegaConf.to_container(models[role], resolve=True) if isinstance(models[role], DictConfig) else None
         except OmegaConfBaseException:
+            continue
+        if not entry or "path" not in entry:
             continue
         unknown = sorted(set(entry) - set(SPEC_KEYS))
         problems += [f"model.{role}.{key}: no such key; a model entry takes {', '.join(SPEC_KEYS)}" for key in unknown]
-        settings = {k: entry[k] for k in ("dtype", "lean", "compile", "pack") if entry.get(k) is not None}
-        problems += [f"model.{role}.{problem}" for problem in setting_problems(**settings)]
+        _, dtype, _, _, lean, compile, pack = model_key(entry, "cpu")       # as the loader reads the entry
+        problems += [f"model.{role}.{p}" for p in setting_problems(dtype=dtype, lean=lean, compile=compile, pack=pack)]
     return problems
 
 

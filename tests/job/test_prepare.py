@@ -45,5 +45,14 @@ def test_every_problem_at_once_before_the_graph_is_built():
 
 
 def test_an_entry_whose_interpolation_does_not_resolve_is_left_to_the_graph_check():
-    entry = OmegaConf.create({"target": {**ENTRY, "fps": "${bench.fps}"}})
+    entry = OmegaConf.create({"target": {**ENTRY, "fps": "${bench.fps}"}, "uv_layers": "${nowhere.x}"})
     assert model_entry_problems(entry) == []
+
+
+def test_the_entry_is_read_as_the_loader_reads_it():
+    # YAML's unquoted `off` is False, which the loader takes as "off"; a null pack is no setting it takes
+    assert model_entry_problems(models(target={"compile": False}, draft={"compile": None, "dtype": None})) == []
+    assert model_entry_problems(models(target={"pack": None})) == [
+        "model.target.pack=None: use auto, true, false or tiled"]
+    assert model_entry_problems(models(target={"lean": None, "compile": "default"})) == [
+        "model.target.compile needs the lean path (lean: true): it compiles the lean step"]
