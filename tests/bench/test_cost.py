@@ -85,11 +85,16 @@ def test_step_cost_times_every_shape_and_leaves_the_cache_as_it_was(tmp_path):
 
 
 def test_forward_flops_count_every_weight_matrix_and_attention_over_each_key(tmp_path):
-    lm = load_model(str(random_checkpoint(tmp_path / "m", "qwen-draft")))
+    # 3 layers, 4 query heads of 32, 1 KV head: a formula that drops the layers, counts KV heads
+    # for query heads or takes the hidden size for the head size gives another number
+    lm = load_model(str(random_checkpoint(tmp_path / "m", "qwen-draft", num_hidden_layers=3, num_attention_heads=4,
+                                          layer_types=["full_attention"] * 3)))
     c = lm.text_config
-    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads) == (128, 384, 2, 1)
-    per_layer = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 3 * 128 * 384          # q, k, v, o; gate, up, down
-    weights = c.num_hidden_layers * per_layer + c.vocab_size * 128             # and the LM head
-    # a token over 10 cached entries and itself: each of 2 heads scores 11 keys and sums 11 values of 64
-    assert lm.forward_flops(1, 10) == 2 * (weights + 2 * 2 * 2 * 64 * 11)
-    assert lm.forward_flops(3, 10) == 3 * 2 * (weights + 2 * 2 * 2 * 64 * 13)
+    assert (c.hidden_size, c.intermediate_size, c.num_key_value_heads) == (128, 384, 1)
+    per_layer = 128 * 128 + 2 * 128 * 32 + 128 * 128 + 3 * 128 * 384          # q, k, v, o; gate, up, down
+    weights = 3 * per_layer + c.vocab_size * 128                               # and the LM head
+    assert weights == sum(p.numel() for p in [*lm.text.layers.parameters(), lm.lm_head.weight] if p.dim() == 2)
+    # a token over 10 cached entries and itself: in each of 3 layers, 4 heads score 11 keys and sum
+    # 11 values of 32, a multiply-add (2 FLOPs) an element
+    assert lm.forward_flops(1, 10) == 2 * (weights + 3 * 4 * 2 * 32 * 11)
+    assert lm.forward_flops(4, 10) == 4 * 2 * (weights + 3 * 4 * 2 * 32 * 14)
