@@ -70,9 +70,11 @@ def main(cfg: DictConfig) -> float | None:
     except KeyboardInterrupt:
         print("reelflow: interrupted; run cancelled and cleaned up", file=sys.stderr)
         sys.exit(130)
-    if metrics.get("runs"):   # several requests: their means are logged above; one request's answer is no result
-        log.info("%d requests, %.3f s each on average; answers in metrics.json (runs), scores and timings in "
-                 "summary.md; outputs in %s", len(metrics["runs"]), metrics["wall_s_mean"], run_dir)
+    runs, failed = metrics.get("runs") or [], metrics.get("failed") or []
+    if len(runs) + len(failed) > 1:   # several requests: their means are logged above; one answer is no result
+        done = f"{len(runs)} of {len(runs) + len(failed)} requests answered" if failed else f"{len(runs)} requests"
+        log.info("%s, %.3f s each on average; answers in metrics.json (runs), scores, timings and failures in "
+                 "summary.md; outputs in %s", done, metrics["wall_s_mean"], run_dir)
         return metrics["wall_s"]
     if metrics.get("output_text") is not None:
         print(metrics["output_text"])
