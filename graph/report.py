@@ -194,6 +194,8 @@ def check_names(rows: list[dict], spec: dict, columns: list[str], functions: dic
 
     for c in columns:
         missing(c, "columns")
+    for c in spec.get("legend") or {}:
+        missing(c, "legend")
     for rel in spec.get("relative") or []:
         missing(rel["of"], f"relative {rel['name']}")
     for name, expression in derived.items():

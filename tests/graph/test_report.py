@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from graph.report import write_report
+from graph.report import ReportError, write_report
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -392,9 +392,15 @@ def test_repeats_pair_each_job_with_its_own_repeats_baseline_and_summarise_by_th
 
 def test_a_swept_key_the_columns_leave_out_is_shown_and_the_legend_says_what_columns_mean(tmp_path):
     sweep = tmp_path / "sw"
-    report = {"columns": ["wall_s"], "legend": {"wall_s": "seconds a request took", "absent": "not shown"}}
+    report = {"columns": ["wall_s"], "legend": {"wall_s": "seconds a request took", "ttft_s": "not shown"}}
     for fps, wall in ((2, 1.0), (8, 3.0)):
         make_job(sweep, str(fps), ["graph=demo", f"bench.fps={fps}"], metrics(wall), report)
     text = write_report(sweep)["md"].read_text()
     assert "| bench.fps | wall_s |" in text and "| 2 | 1 |" in text and "| 8 | 3 |" in text
     assert text.endswith("Columns:\n\n- `wall_s`: seconds a request took\n")       # shown columns only
+    report["legend"] = {"wal_s": "a typo"}
+    for fps in (2, 8):
+        (sweep / str(fps) / ".hydra" / "config.yaml").write_text(yaml.safe_dump(
+            {"experiment": "bench", "report": report}))
+    with pytest.raises(ReportError, match="legend: no job has 'wal_s' \\(closest: wall_s"):
+        write_report(sweep)
