@@ -183,7 +183,8 @@ def compile_plan(
                                            elastic=r.torch_threads == "elastic", affinity=r.affinity))
     demand = sum(r.workers * r.torch_threads for r in planned_res if r.kind != "stream")
     # automatic counts give each worker one thread at least, so more workers than cores share them
-    # by design; a count someone set that asks for more than the cores is worth a warning
+    # by design; a count someone set for a thread pool that asks for more than the cores is worth a
+    # warning (a process pool's count is its own processes', the decoders' one FFmpeg thread each)
     chosen = any(r.kind == "thread" and r.torch_threads not in ("auto", "elastic") for r in used)
     if runner == "threaded" and demand > cores and chosen:
         warnings.append(f"{cpu_workers} CPU workers with {demand} torch threads in all on {cores} cores: "
