@@ -98,7 +98,8 @@ def test_two_workers_give_the_local_tokens_and_a_bad_video_is_one_failed_row(man
     assert len({w["pid"] for w in metrics["cluster"]["workers"]}) == 2
     assert "| broken | 1 |" in (tmp_path / "summary.md").read_text()
     assert (tmp_path / "trace.json").exists() and (tmp_path / "timeline.png").exists()
-    assert "6 of 7 requests answered" in out.stdout + out.stderr                  # the console's last word
+    console = out.stdout + out.stderr                                             # its last word
+    assert "6 of 7 requests answered" in console and "answers in results.jsonl" in console
 
 
 def start(args: list[str]) -> subprocess.Popen:
