@@ -73,7 +73,8 @@ def main(cfg: DictConfig) -> float | None:
     runs, failed = metrics.get("runs") or [], metrics.get("failed") or []
     if len(runs) + len(failed) > 1:   # several requests: their means are logged above; one answer is no result
         done = f"{len(runs)} of {len(runs) + len(failed)} requests answered" if failed else f"{len(runs)} requests"
-        streamed = "results.jsonl (as each finished) and " if (metrics.get("cluster") or {}).get("kind") == "ray" else ""
+        on_ray = (metrics.get("cluster") or {}).get("kind") == "ray"
+        streamed = "results.jsonl (as each finished) and " if on_ray else ""
         log.info("%s, %.3f s each on average; answers in %smetrics.json (runs), scores, timings and failures in "
                  "summary.md; outputs in %s", done, metrics["wall_s_mean"], streamed, run_dir)
         return metrics["wall_s"]
