@@ -1,10 +1,12 @@
-"""A job's config checked and compiled before any stage is built: the graph spec and its plan, and
-the ports the job reads its figures from (graph.first_token, graph.answer)."""
+"""A job's config checked and compiled before anything is built for the run: the model entries'
+settings, the graph spec and each stage's values, the plan, and the ports the job reads its
+figures from (graph.first_token, graph.answer)."""
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from graph.jobs import build_stage
 from graph.resources import load_resources
 from graph.schedule import Plan, compile_plan
 from graph.spec import ConfigError, GraphSpec, build_graph
@@ -25,6 +27,9 @@ def prepare(cfg: DictConfig, n_cuda: int | None = None) -> tuple[GraphSpec, Plan
         detail = str(e).splitlines()[0]
         raise ConfigError(f"{key}: {detail}. Fix: choose what it refers to, e.g. model=toy_qwen "
                           "(graphs with models need model.target).") from None
+    stage_problems = stage_value_problems(spec)
+    if stage_problems:
+        raise ConfigError(stage_problems)
     ex = cfg.get("executor") or {}
     plan = compile_plan(spec, resources, cores, strict=strict, runner=ex.get("runner", "threaded"),
                         capacity=int(ex.get("capacity", 2)))
@@ -33,6 +38,19 @@ def prepare(cfg: DictConfig, n_cuda: int | None = None) -> tuple[GraphSpec, Plan
         if ref and ("." not in ref or ref.rsplit(".", 1)[1] not in getattr(spec.nodes.get(ref.rsplit(".", 1)[0]), "out_ports", {})):
             raise ConfigError(f"graph.{key}={ref} names no node.port of this graph. Fix: e.g. graph.{key}={example}")
     return spec, plan
+
+
+def stage_value_problems(spec: GraphSpec) -> list[str]:
+    """Each node's stage built once from its config and dropped: a stage's constructor only checks
+    and keeps its settings (setup loads models and starts decoders), so a value it refuses
+    (`max_new_tokens=-1`) is one more config problem, found before anything is built for the run."""
+    problems = []
+    for name, node in spec.nodes.items():
+        try:
+            build_stage(node.stage_cfg)
+        except (ValueError, TypeError) as e:
+            problems.append(f"node '{name}' ({node.stage_cls.__name__}): {e}. Fix: graph.nodes.{name}.stage.<key>=...")
+    return problems
 
 
 def model_entry_problems(models: DictConfig | None) -> list[str]:

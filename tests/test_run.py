@@ -133,7 +133,8 @@ def test_demo_run_leaves_every_file(tmp_path):
 ])
 def test_bad_config_exits_nonzero_with_one_readable_message(override, expect, tmp_path):
     out = run("+experiment=demo", override, f"hydra.run.dir={tmp_path}")
-    assert out.returncode != 0
+    assert out.returncode == 2, out.stderr      # a config problem, a stage's refused value too: before any setup
+    assert not (tmp_path / "error.txt").exists()
     assert expect in out.stderr
     assert "Traceback" not in out.stderr
 

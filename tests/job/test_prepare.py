@@ -7,7 +7,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from graph.spec import ConfigError
-from job.prepare import model_entry_problems, prepare
+from graph.resources import load_resources
+from graph.spec import build_graph
+from job.prepare import model_entry_problems, prepare, stage_value_problems
+from tests.helpers import CPU, node
 
 ENTRY = {"path": "zoo/weights/qwen-target", "dtype": "float32", "lean": True, "compile": "off", "pack": "auto"}
 
@@ -56,3 +59,13 @@ def test_the_entry_is_read_as_the_loader_reads_it():
         "model.target.pack=None: use auto, true, false or tiled"]
     assert model_entry_problems(models(target={"lean": None, "compile": "default"})) == [
         "model.target.compile needs the lean path (lean: true): it compiles the lean step"]
+
+
+def test_a_value_a_stage_refuses_is_a_config_problem_naming_the_node():
+    resources = load_resources(CPU)[0]
+    spec = build_graph({"nodes": {"a": node("bench.synthetic.Producer", items=0),
+                                  "b": node("bench.synthetic.Consumer", "target", {"item": "a.item"}, iters=-1)}},
+                       resources)
+    problems = stage_value_problems(spec)
+    assert [p.split(":")[0] for p in problems] == ["node 'a' (Producer)", "node 'b' (Consumer)"]
+    assert "items must be" in problems[0] and "iters ≥ 0" in problems[1]
