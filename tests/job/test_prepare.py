@@ -1,14 +1,14 @@
 """A job's config check (job.prepare): the model entries' settings are checked as the loader checks
-them, so a misspelt value stops the run before anything loads."""
+them, and each stage's values as its constructor checks them, so a misspelt value stops the run
+before anything loads."""
 
 from __future__ import annotations
 
 import pytest
 from omegaconf import OmegaConf
 
-from graph.spec import ConfigError
 from graph.resources import load_resources
-from graph.spec import build_graph
+from graph.spec import ConfigError, build_graph
 from job.prepare import model_entry_problems, prepare, stage_value_problems
 from tests.helpers import CPU, node
 
