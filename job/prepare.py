@@ -13,7 +13,8 @@ from graph.spec import ConfigError, GraphSpec, build_graph
 
 
 def prepare(cfg: DictConfig, n_cuda: int | None = None) -> tuple[GraphSpec, Plan]:
-    """Everything that can be checked without building a stage: the config's whole validation."""
+    """The config's whole validation, before anything is built for the run (stages are built once
+    and dropped, models not loaded): the spec and the plan, or a ConfigError naming every problem."""
     from omegaconf.errors import InterpolationResolutionError
 
     model_problems = model_entry_problems(cfg.get("model"))
