@@ -42,7 +42,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from graph.spec import ConfigError
 from models.decoding import greedy_answer
+from models.load import resolve
 from models.sparrow import SparrowConfig, SparrowHead
 from zoo import WEIGHTS
 from zoo.shapes import FPS
@@ -93,7 +95,15 @@ def train(progress: bool | None = None, data: dict | None = None, **keys) -> dic
     """`data`: a `data:` block naming the user's videos (folder, manifest or path); none or empty:
     the toy world's videos, made on the fly."""
     loop_config, videos, config = parse_flat(keys, LoopConfig, UserDataConfig, SparrowTrainConfig)
+    if not loop_config.out and not in_zoo(config.target):
+        raise ConfigError([f"train.out: required for a target outside the toy zoo ({config.target}): without it the "
+                           "head would go to zoo/weights, over the toy target's. Fix: train.out=heads/<name>"])
     return loop.train(SparrowRecipe(config, videos, user_source(data), progress), loop_config, progress=progress)
+
+
+def in_zoo(target: str) -> bool:
+    """Whether `target` is one of the toy zoo's models (a directory under zoo/weights)."""
+    return Path(resolve(target)).resolve().is_relative_to(WEIGHTS.resolve())
 
 
 # ------------------------------------------------------------------------------ the target's states

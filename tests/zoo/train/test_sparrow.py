@@ -52,3 +52,9 @@ def test_bad_keys_are_refused_together():
     assert "examples=1" in text and "ivsb_drop=2.0" in text and "exampels" in text
     with pytest.raises(ConfigError, match="train.recipe"):
         recipe_of({"recipe": "nope"})
+
+
+def test_a_head_for_a_target_outside_the_zoo_needs_its_own_place(tmp_path):
+    # without train.out the head would land in zoo/weights, over the toy target's head: refused first
+    with pytest.raises(ConfigError, match="train.out: required for a target outside the toy zoo"):
+        train(progress=False, target=str(tmp_path / "my-target"), steps=1)
