@@ -31,6 +31,8 @@ def main(cfg: DictConfig) -> float | None:
     from graph.executor import StageFailed
     from graph.spec import ConfigError
     from job.ray_pool import ClusterError
+    from job.results import NAME as RESULTS
+    from job.results import RequestsFailed
     from job.run import run_job
     from stages.source import load_requests
 
@@ -64,17 +66,23 @@ def main(cfg: DictConfig) -> float | None:
         (run_dir / "error.txt").write_text(f"{e}\n\n{e.traceback_text}")
         print(f"reelflow: run failed: {e}\n  (traceback in {run_dir / 'error.txt'})", file=sys.stderr)
         sys.exit(1)
+    except RequestsFailed as e:
+        where = f"\n  (tracebacks in {run_dir / 'error.txt'})" if (run_dir / "error.txt").exists() else ""
+        print(f"reelflow: run failed: {e}{where}", file=sys.stderr)
+        sys.exit(1)
     except ClusterError as e:
         print(f"reelflow: run failed: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        print("reelflow: interrupted; run cancelled and cleaned up", file=sys.stderr)
+        kept = _results_kept(run_dir / RESULTS)
+        print("reelflow: interrupted; run cancelled and cleaned up" + (
+            f"; {kept} kept in {run_dir / RESULTS}: the same command with cluster.resume=true goes on from them"
+            if kept else ""), file=sys.stderr)
         sys.exit(130)
     runs, failed = metrics.get("runs") or [], metrics.get("failed") or []
     if len(runs) + len(failed) > 1:   # several requests: their means are logged above; one answer is no result
         done = f"{len(runs)} of {len(runs) + len(failed)} requests answered" if failed else f"{len(runs)} requests"
-        on_ray = (metrics.get("cluster") or {}).get("kind") == "ray"
-        streamed = "results.jsonl (as each finished) and " if on_ray else ""
+        streamed = "results.jsonl (as each finished) and " if (run_dir / RESULTS).exists() else ""
         log.info("%s, %.3f s each on average; answers in %smetrics.json (runs), scores, timings and failures in "
                  "summary.md; outputs in %s", done, metrics["wall_s_mean"], streamed, run_dir)
         return metrics["wall_s"]
@@ -83,6 +91,14 @@ def main(cfg: DictConfig) -> float | None:
     log.info("wall %.3f s (ideal overlapped %.3f s); outputs in %s",
              metrics["wall_s"], metrics["ideal_wall_s"], run_dir)
     return metrics["wall_s"]
+
+
+def _results_kept(path: Path) -> str:
+    """'the results of N requests' for a results.jsonl an interrupted run leaves, '' for none."""
+    if not path.exists():
+        return ""
+    rows = [line for line in path.read_text().splitlines() if line.strip()]
+    return f"the results of {len(rows)} request{'s' * (len(rows) != 1)}" if rows else ""
 
 
 def _check_openmp(cfg: DictConfig) -> None:
@@ -99,6 +115,7 @@ def _check_openmp(cfg: DictConfig) -> None:
 
 def _evaluate(cfg: DictConfig, run_dir: Path) -> float:
     from graph.executor import StageFailed
+    from job.results import RequestsFailed
 
     try:
         from evaluation.job import run_lmms_eval
@@ -115,6 +132,9 @@ def _evaluate(cfg: DictConfig, run_dir: Path) -> float:
     except StageFailed as e:
         (run_dir / "error.txt").write_text(f"{e}\n\n{e.traceback_text}")
         print(f"reelflow: run failed: {e}\n  (traceback in {run_dir / 'error.txt'})", file=sys.stderr)
+        sys.exit(1)
+    except RequestsFailed as e:           # cluster=ray: a request without an answer (each job's run dir says why)
+        print(f"reelflow: run failed: {e}", file=sys.stderr)
         sys.exit(1)
     log.info("%d answers in %.1f s; outputs in %s", metrics["n_answers"], metrics["wall_s"], run_dir)
     return metrics["wall_s"]

@@ -92,11 +92,9 @@ class Reelflow(lmms):
             run_dir.mkdir(parents=True, exist_ok=True)
             batch = [Request(id=rows[i]["id"], video=rows[i]["video"], prompt=rows[i]["prompt"]) for i in members]
             t0 = time.perf_counter()
-            metrics = run_job(cfg, batch, run_dir)
+            metrics = run_job(cfg, batch, run_dir, each=False)     # every answer, in order, or the error
             in_jobs += time.perf_counter() - t0
-            per_run = metrics.get("runs") or [metrics]        # one request: its figures are the metrics' own
-            for i, run in zip(members, per_run):
-                runs[i] = run
+            runs.update(_by_member(metrics, members, [rows[i]["id"] for i in members], run_dir))
         plugin_s = (time.perf_counter() - start - in_jobs - in_tasks) / max(1, len(rows))
         for i, row in enumerate(rows):
             run = runs[i]
@@ -171,3 +169,20 @@ def _cut(text: str, until: list[str]) -> str:
         if stop and stop in text:
             text = text.split(stop, 1)[0]
     return text
+
+
+def _by_member(metrics: dict, members: list[int], ids: list[str], run_dir: Path) -> dict[int, dict]:
+    """Each member's own run, found by its request id (a run of several lists only the requests it
+    answered, in order, so a place in that list is not a member); a member without one is an error
+    naming it, not an answer taken from a neighbour."""
+    from job.results import RequestsFailed
+
+    if not metrics.get("runs") and len(members) == 1:     # one request: its figures are the metrics' own
+        return {members[0]: metrics}
+    by_id = {run.get("request"): run for run in metrics.get("runs") or []}
+    errors = {f["request"]: f["error"] for f in metrics.get("failed") or []}
+    missing = [request for request in ids if request not in by_id]
+    if missing:
+        raise RequestsFailed(f"{len(missing)} of {len(ids)} requests have no answer, the first {missing[0]}: "
+                             f"{errors.get(missing[0], 'no result')} (the rest are in {run_dir})")
+    return {i: by_id[request] for i, request in zip(members, ids)}

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from graph.spec import ConfigError
-from job.results import ResultLog, adopt, find_resumable
+from job.results import RequestsFailed, ResultLog, prepare_run_dir, request_ids
 
 log = logging.getLogger(__name__)
 
@@ -212,33 +212,6 @@ def _dead_worker(error: BaseException) -> bool:
     return isinstance(error, (rex.RayActorError, rex.WorkerCrashedError, rex.OutOfMemoryError, rex.NodeDiedError))
 
 
-def _prepare_run_dir(cluster: dict, run_dir: Path) -> None:
-    """resume: continue this run dir's results, or adopt the latest same-command run's; otherwise a
-    run dir that already holds results is refused (nothing is overwritten)."""
-    from job.results import NAME
-
-    here = (run_dir / NAME).exists()
-    if not cluster.get("resume"):
-        if here:
-            raise ConfigError(f"{run_dir / NAME} exists: this run dir has results. Fix: cluster.resume=true to go on "
-                              "from them, or another run dir")
-        return
-    if here:
-        return
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        overrides = list(HydraConfig.get().overrides.task)
-    except ValueError:                  # not under Hydra (a script): only this run dir counts
-        return
-    previous = find_resumable(run_dir, overrides)
-    if previous is None:
-        log.warning("cluster.resume=true: no earlier run of this command with results; starting afresh")
-        return
-    adopt(previous, run_dir)
-    log.info("resuming from %s", previous)
-
-
 def run_on_ray(cfg: DictConfig, requests: list[Any], run_dir: Path, spec, plan) -> dict[str, Any]:
     """Every request over the pool; results.jsonl as they finish; metrics.json, summary.md and the
     trace (of the first request to finish) at the end, as a local run writes them."""
@@ -250,10 +223,8 @@ def run_on_ray(cfg: DictConfig, requests: list[Any], run_dir: Path, spec, plan) 
         raise ConfigError("cluster=ray needs Ray. Fix: pip install -e '.[cluster]' (or cluster=local)") from None
     cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
     run_dir = Path(run_dir)
-    _prepare_run_dir(cluster, run_dir)
-    ids = [str(getattr(r, "id", i)) for i, r in enumerate(requests)]
-    if len(set(ids)) != len(ids):
-        ids = [f"{i}:{x}" for i, x in enumerate(ids)]
+    prepare_run_dir(cluster, run_dir)
+    ids = request_ids(requests)
     with ResultLog(run_dir) as results:
         results.check_requests(ids)
         todo = [i for i in range(len(requests)) if i not in results.done()]
@@ -266,8 +237,8 @@ def run_on_ray(cfg: DictConfig, requests: list[Any], run_dir: Path, spec, plan) 
     failed = [{"request": r["request"], "error": r["error"], "attempts": r.get("attempts", 1)}
               for r in rows if r and r["status"] != "ok"]
     if not ok:
-        raise ClusterError(f"every request failed; the first: {failed[0]['request']}: {failed[0]['error']}"
-                           if failed else "no request ran")
+        raise RequestsFailed(f"every request failed; the first: {failed[0]['request']}: {failed[0]['error']}"
+                                 if failed else "no request ran")
     if stats.get("trace") and not (run_dir / "trace.json").exists():
         calls, t_start, metrics = stats.pop("trace")
         write_trace_files(cfg, run_dir, spec, plan, calls, t_start, metrics)

@@ -1,5 +1,6 @@
 """The run dir's results.jsonl: one JSON line per finished request, written as each finishes, so a
-run that dies or is interrupted keeps what it did and `cluster.resume=true` goes on from there.
+run of several requests (here or on Ray workers) that dies or is interrupted keeps what it did and
+`cluster.resume=true` goes on from there.
 
     {"index": 3, "request": "s203-30s", "status": "ok", "attempts": 1, "worker": 0, "latency_s": ..., "metrics": {...}}
     {"index": 4, "request": "s204-30s", "status": "failed", "attempts": 1, "error": "..."}
@@ -23,6 +24,46 @@ log = logging.getLogger(__name__)
 
 NAME = "results.jsonl"
 CARRIED = ("trace.json", "timeline.png")      # the first run's trace, carried over on resume
+
+
+class RequestsFailed(RuntimeError):
+    """Requests without a result where the caller cannot go on: none of a run's requests has one,
+    or one of a batch that needs every answer lacks one. The message names them."""
+
+
+def request_ids(requests: list[Any]) -> list[str]:
+    """The requests' ids as results.jsonl records them: their own, or their places where two share one."""
+    ids = [str(getattr(r, "id", i)) for i, r in enumerate(requests)]
+    if len(set(ids)) != len(ids):
+        ids = [f"{i}:{x}" for i, x in enumerate(ids)]
+    return ids
+
+
+def prepare_run_dir(cluster: dict, run_dir: Path) -> None:
+    """resume: continue this run dir's results, or adopt the latest same-command run's; otherwise a
+    run dir that already holds results is refused (nothing is overwritten)."""
+    here = (Path(run_dir) / NAME).exists()
+    if not cluster.get("resume"):
+        if here:
+            from graph.spec import ConfigError
+
+            raise ConfigError(f"{Path(run_dir) / NAME} exists: this run dir has results. Fix: cluster.resume=true to "
+                              "go on from them, or another run dir")
+        return
+    if here:
+        return
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task)
+    except ValueError:                  # not under Hydra (a script): only this run dir counts
+        return
+    previous = find_resumable(run_dir, overrides)
+    if previous is None:
+        log.warning("cluster.resume=true: no earlier run of this command with results; starting afresh")
+        return
+    adopt(previous, run_dir)
+    log.info("resuming from %s", previous)
 
 
 class ResultLog:

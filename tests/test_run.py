@@ -228,6 +228,77 @@ def test_ctrl_c_cancels_and_leaves_nothing_behind(tmp_path):
     assert set(os.listdir("/dev/shm")) - shm_before == set()
 
 
+def _folder(tmp_path, names) -> Path:
+    """A folder of videos: links to the bundled sample, and a truncated copy for each name starting 'bad'."""
+    folder = tmp_path / "videos"
+    folder.mkdir()
+    sample = ROOT / "zoo" / "sample" / "toy-30s.mp4"
+    for name in names:
+        if name.startswith("bad"):
+            (folder / f"{name}.mp4").write_bytes(sample.read_bytes()[:20000])   # its header cut off: not a video
+        else:
+            (folder / f"{name}.mp4").symlink_to(sample)
+    return folder
+
+
+def test_a_bad_video_among_several_is_recorded_and_the_others_answered_and_resume_retries_only_it(tmp_path):
+    folder = _folder(tmp_path, ["a", "bad", "c"])
+    out = run("data=folder", f"data.folder={folder}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 0, out.stderr
+    assert "2 of 3 requests answered" in out.stdout + out.stderr and "Traceback" not in out.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert [(r["request"], r["status"]) for r in rows] == [("a", "ok"), ("bad", "failed"), ("c", "ok")]
+    assert rows[0]["metrics"]["output_text"] == rows[2]["metrics"]["output_text"]     # the same video
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [r["request"] for r in metrics["runs"]] == ["a", "c"] and metrics["failed"][0]["request"] == "bad"
+    assert "not a video file FFmpeg can read" in (tmp_path / "run" / "summary.md").read_text()
+    assert "== bad:" in (tmp_path / "run" / "error.txt").read_text()
+
+    # the same command again into the same run dir: refused without resume, nothing overwritten
+    again = run("data=folder", f"data.folder={folder}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert again.returncode == 2 and "cluster.resume=true" in again.stderr
+    (folder / "bad.mp4").unlink()
+    (folder / "bad.mp4").symlink_to(ROOT / "zoo" / "sample" / "toy-30s.mp4")    # mended
+    resumed = run("data=folder", f"data.folder={folder}", "cluster.resume=true", f"hydra.run.dir={tmp_path / 'run'}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resume: 2 of 3 requests have results; running 1" in resumed.stdout + resumed.stderr
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [r["request"] for r in metrics["runs"]] == ["a", "bad", "c"] and "failed" not in metrics
+
+
+def test_a_run_where_every_request_fails_exits_1_naming_the_first(tmp_path):
+    folder = _folder(tmp_path, ["bad1", "bad2"])
+    out = run("data=folder", f"data.folder={folder}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 1
+    assert "every request failed; the first: bad1" in out.stderr and "Traceback" not in out.stderr
+    assert (tmp_path / "run" / "error.txt").read_text().count("Traceback") == 2
+
+
+def test_ctrl_c_keeps_the_finished_requests_results_and_resume_goes_on_from_them(tmp_path):
+    folder = _folder(tmp_path, [f"v{i:03d}" for i in range(300)])      # ~0.3 s each: far longer than the wait
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "run", "data=folder", f"data.folder={folder}", "executor.progress=false"]
+    proc = subprocess.Popen([*args, f"hydra.run.dir={run_dir}"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_default)  # noqa: PLW1509
+    results = run_dir / "results.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (results.exists() and results.read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    kept = results.read_text().splitlines()
+    assert len(kept) >= 2 and all(json.loads(line)["status"] == "ok" for line in kept)
+    assert f"the results of {len(kept)} requests kept in {results}" in err and "Traceback" not in err
+    assert not (run_dir / "metrics.json").exists()
+    # resuming needs only the requests without a result: cut the folder to the first few
+    for video in sorted(folder.iterdir())[len(kept) + 1:]:
+        video.unlink()
+    resumed = run("data=folder", f"data.folder={folder}", "cluster.resume=true", f"hydra.run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resume: {len(kept)} of {len(kept) + 1} requests have results; running 1" in resumed.stdout + resumed.stderr
+
+
 def test_default_run_describes_the_bundled_video_with_the_toy_target(tmp_path):
     from zoo.captions import score
     from zoo.world import Truth

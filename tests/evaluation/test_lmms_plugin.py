@@ -158,3 +158,19 @@ def test_log_likelihood_names_what_to_use_instead():
     lm = Reelflow.create_from_arg_string("experiment=sparrow,model=toy_qwen")
     with pytest.raises(NotImplementedError, match="does not score log-likelihoods.*--model qwen2_5_vl"):
         lm.loglikelihood([])
+
+
+def test_each_answer_goes_to_its_own_doc_and_a_missing_one_is_an_error_not_a_neighbours():
+    """A run of several lists only the requests it answered (Ray records a failed one and goes on):
+    answers are matched to docs by request id, never by place in that list."""
+    from evaluation.lmms_model import _by_member
+    from job.results import RequestsFailed
+
+    runs = [{"request": "t/2", "output_text": "two"}, {"request": "t/0", "output_text": "zero"}]
+    got = _by_member({"runs": runs}, [7, 9], ["t/0", "t/2"], Path("run"))
+    assert {i: r["output_text"] for i, r in got.items()} == {7: "zero", 9: "two"}
+    failed = {"runs": runs[:1], "failed": [{"request": "t/0", "error": "not a video file", "attempts": 1}]}
+    with pytest.raises(RequestsFailed, match=r"1 of 2 requests have no answer, the first t/0: not a video file"):
+        _by_member(failed, [7, 9], ["t/0", "t/2"], Path("run"))
+    single = {"output_text": "alone"}                    # one request: the metrics are its own
+    assert _by_member(single, [3], ["t/5"], Path("run")) == {3: single}

@@ -9,8 +9,7 @@ import pytest
 import yaml
 
 from graph.spec import ConfigError
-from job.ray_pool import _prepare_run_dir
-from job.results import NAME, ResultLog, adopt, find_resumable
+from job.results import NAME, ResultLog, adopt, find_resumable, prepare_run_dir
 
 
 def row(i, status="ok", request=None):
@@ -66,5 +65,5 @@ def test_resume_finds_the_latest_run_of_the_same_command(tmp_path):
 def test_a_run_dir_with_results_is_not_overwritten_without_resume(tmp_path):
     (tmp_path / NAME).write_text(json.dumps(row(0)) + "\n")
     with pytest.raises(ConfigError, match="cluster.resume=true"):
-        _prepare_run_dir({"resume": False}, tmp_path)
-    _prepare_run_dir({"resume": True}, tmp_path)        # goes on from them
+        prepare_run_dir({"resume": False}, tmp_path)
+    prepare_run_dir({"resume": True}, tmp_path)        # goes on from them
