@@ -167,6 +167,20 @@ def test_a_bad_train_key_is_one_clear_message_before_anything_trains(args, expec
     assert expect in out.stderr and "Traceback" not in out.stderr and "step 1" not in out.stderr
 
 
+@pytest.mark.parametrize("experiment,model", [("train_toy", "zoo/weights/qwen-draft"),
+                                              ("train_sparrow", "zoo/weights/qwen-sparrow")])
+def test_a_try_of_a_recipe_without_train_out_leaves_the_shipped_model_alone(experiment, model, tmp_path):
+    """The toy recipes' default train.out is the zoo's own directory: a finished model there is
+    replaced only with train.overwrite=true, and the refusal comes before anything loads."""
+    before = {p.name: p.read_bytes() for p in (ROOT / model).iterdir()}
+    extra = ["train.model=qwen-draft"] if experiment == "train_toy" else []
+    out = run(f"+experiment={experiment}", *extra, "train.steps=1", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 2, out.stderr
+    assert f"train.out (unset, so {model}): holds a trained model" in out.stderr and "train.overwrite=true" in out.stderr
+    assert "Traceback" not in out.stderr and "loaded" not in out.stderr
+    assert {p.name: p.read_bytes() for p in (ROOT / model).iterdir()} == before
+
+
 def test_stage_failure_exits_1_and_names_node_and_item(tmp_path):
     out = run("+experiment=demo", *SMALL_DEMO, "+graph.nodes.consume.stage.fail_at=3", f"hydra.run.dir={tmp_path}")
     assert out.returncode == 1

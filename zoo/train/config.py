@@ -43,6 +43,7 @@ class LoopConfig:
     out: str | None = None             # where the checkpoint goes (None: the recipe's default)
     checkpoint_every: int = 500        # save the training state this often (and on Ctrl-C; 0: only on Ctrl-C)
     resume: bool = False               # go on from the training state saved in `out` (same settings)
+    overwrite: bool = False            # replace a trained model already in `out` (else that is refused)
 
     def problems(self) -> list[str]:
         from zoo.train.device import (

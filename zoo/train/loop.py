@@ -78,7 +78,7 @@ class Recipe:
         return {}
 
     def default_out(self) -> Path:
-        """Where the checkpoint goes when the loop's `out` is unset."""
+        """Where the checkpoint goes when the loop's `out` is unset (asked before `build`)."""
         raise NotImplementedError
 
     def save(self, out_dir: Path) -> None:
@@ -105,9 +105,10 @@ def train(recipe: Recipe, config: LoopConfig, progress: bool | None = None) -> d
     steps = config.steps
     device = resolve_device(config.device)
     loader_workers = loader_workers_for(device, config.loader_workers)
+    out_dir = Path(config.out) if config.out else recipe.default_out()
+    _refuse_replacing(out_dir, config)            # before anything is built: that may take long
     torch.manual_seed(config.seed)
     params = recipe.build(device)
-    out_dir = Path(config.out) if config.out else recipe.default_out()
     state_path = out_dir / STATE_FILE
     settings = _settings(recipe, config)
     saved = _load_state(state_path, settings) if config.resume else None
@@ -214,10 +215,22 @@ def train(recipe: Recipe, config: LoopConfig, progress: bool | None = None) -> d
     return result
 
 
+def _refuse_replacing(out_dir: Path, config: LoopConfig) -> None:
+    """A finished model in `out_dir` (its training.json) is replaced only when asked: a try of a
+    recipe must not silently overwrite hours of training, or a model the repository ships."""
+    from graph.spec import ConfigError
+
+    if (out_dir / "training.json").exists() and not (config.overwrite or config.resume):
+        shown = out_dir.resolve().relative_to(Path.cwd()) if out_dir.resolve().is_relative_to(Path.cwd()) else out_dir
+        where = f"train.out={shown}" if config.out else f"train.out (unset, so {shown})"
+        raise ConfigError([f"{where}: holds a trained model (training.json); training would replace it. "
+                           "Fix: another train.out, or train.overwrite=true to replace it"])
+
+
 def _settings(recipe: Recipe, config: LoopConfig) -> dict:
     """What must not change between a run and its resumption: the loop's and the recipe's settings
     (bar the ones that only say how to run: resume, where to log, the time limit)."""
-    loop_keys = {k: v for k, v in vars(config).items() if k not in ("resume", "log_every", "max_minutes",
+    loop_keys = {k: v for k, v in vars(config).items() if k not in ("resume", "overwrite", "log_every", "max_minutes",
                                                                     "loader_workers", "checkpoint_every")}
     return json.loads(json.dumps(loop_keys | recipe.record(), default=str))
 

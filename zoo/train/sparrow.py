@@ -47,7 +47,7 @@ from models.decoding import greedy_answer
 from models.load import resolve
 from models.sparrow import SparrowConfig, SparrowHead
 from zoo import WEIGHTS
-from zoo.shapes import FPS
+from zoo.shapes import FPS, SHAPES
 from zoo.train import loop
 from zoo.train.config import LoopConfig, parse_flat
 from zoo.train.data import example
@@ -288,7 +288,9 @@ class SparrowRecipe(TargetRecipe, loop.Recipe):
         return copy.deepcopy(self.head).to(self.lm.dtype)
 
     def default_out(self) -> Path:
-        family = "qwen" if self.lm.arch == "qwen2_5_vl" else "llava"
+        # a zoo target (`train` asks for train.out otherwise), whose architecture its name says
+        arch = SHAPES[Path(resolve(self.config.target)).name][0]
+        family = "qwen" if arch == "qwen2_5_vl" else "llava"
         return WEIGHTS / (self.config.out_name or f"{family}-sparrow")
 
     def save(self, out_dir: Path) -> None:

@@ -58,3 +58,23 @@ def test_a_time_budget_stops_training_early_and_saves_what_is_there(tmp_path):
     with pytest.raises(ConfigError, match="max_minutes="):
         train(model="qwen-draft", steps=1, max_minutes=0, device="cpu", out=str(tmp_path / "bad"), progress=False)
 
+
+
+def test_a_finished_model_is_replaced_only_when_asked_and_refused_before_anything_is_built(tmp_path, monkeypatch):
+    short = dict(model="qwen-draft", steps=1, batch_size=1, seconds=(2, 2), warm_seconds=(2, 2), warmup=1,
+                 eval_seconds=2, eval_videos=1, log_every=1, eval_every=0, device="cpu", loader_workers=0,
+                 out=str(tmp_path / "ck"), progress=False)
+    train(**short)
+    first = (tmp_path / "ck" / "model.safetensors").read_bytes()
+    from zoo.train import toy
+
+    def not_built(*args, **kwargs):
+        raise AssertionError("the recipe was built before the refusal")
+
+    monkeypatch.setattr(toy.ToyRecipe, "build", not_built)
+    with pytest.raises(ConfigError, match="holds a trained model .*train.overwrite=true"):
+        train(**short | {"seed": 1})
+    assert (tmp_path / "ck" / "model.safetensors").read_bytes() == first      # nothing written
+    monkeypatch.undo()
+    train(**short | {"seed": 1, "overwrite": True})
+    assert (tmp_path / "ck" / "model.safetensors").read_bytes() != first      # replaced, as asked
