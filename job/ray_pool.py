@@ -357,7 +357,7 @@ def _dispatch(pool: _Pool, cluster: dict, requests: list, ids: list[str], todo: 
                     n_failed += 1
                     bar.set_postfix(failed=n_failed)
                     log.error("%s failed: %s", ids[index], out["error"].splitlines()[0])
-                results.append(row)
+                results.append(row, out.get("traceback"))
                 bar.update(1)
         t_end = time.perf_counter()
     finally:

@@ -23,6 +23,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 NAME = "results.jsonl"
+ERRORS = "error.txt"                          # the failed requests' tracebacks, one after another
 CARRIED = ("trace.json", "timeline.png")      # the first run's trace, carried over on resume
 
 
@@ -92,7 +93,11 @@ class ResultLog:
             with open(self.path, "r+b") as f:
                 f.truncate(good)
 
-    def append(self, row: dict[str, Any]) -> None:
+    def append(self, row: dict[str, Any], traceback_text: str | None = None) -> None:
+        """One request's row; a failed one's traceback (where there is one) goes to error.txt beside."""
+        if traceback_text:
+            with open(self.path.with_name(ERRORS), "a") as f:
+                f.write(f"== {row['request']}: {row.get('error')}\n\n{traceback_text}\n")
         line = (json.dumps(row, default=str) + "\n").encode()
         os.write(self._fd, line)                  # O_APPEND: one write, at the end
         os.fsync(self._fd)

@@ -103,11 +103,9 @@ def _run_here(cfg: DictConfig, requests: list[Any], run_dir: Path, spec, plan, s
                     if not many:
                         raise
                     log.error("%s failed: %s", ids[index], e)
-                    with open(run_dir / "error.txt", "a") as f:
-                        f.write(f"== {ids[index]}: {e}\n\n{e.traceback_text}\n")
                     rows[index] = {"index": index, "request": ids[index], "status": "failed", "attempts": 1,
                                    "error": str(e)}
-                    results.append(rows[index])
+                    results.append(rows[index], e.traceback_text)
                     bar.set_postfix(failed=sum(r["status"] != "ok" for r in rows.values()))
                     ex.close()            # its workers may hold the failed run's state: a fresh one for the next
                     ex = executor()

@@ -97,6 +97,7 @@ def test_two_workers_give_the_local_tokens_and_a_bad_video_is_one_failed_row(man
     assert metrics["failed"][0]["request"] == "broken" and metrics["cluster"]["failed"] == 1
     assert len({w["pid"] for w in metrics["cluster"]["workers"]}) == 2
     assert "| broken | 1 |" in (tmp_path / "summary.md").read_text()
+    assert "== broken:" in (tmp_path / "error.txt").read_text() and "Traceback" in (tmp_path / "error.txt").read_text()
     assert (tmp_path / "trace.json").exists() and (tmp_path / "timeline.png").exists()
     console = out.stdout + out.stderr                                             # its last word
     assert "6 of 7 requests answered" in console and "answers in results.jsonl" in console

@@ -186,6 +186,9 @@ def plan_clips(requests: list, *, clip_seconds: tuple[float, float], clips_per_v
     held = set()
     if len(videos) >= 2 and heldout > 0:
         held = set(random.Random(f"heldout-{seed}").sample(videos, max(1, round(heldout * len(videos)))))
+    elif heldout > 0:
+        log.warning("one video: the held-out clips are other stretches of the video trained on, so the agreement "
+                    "check reads high; two or more videos keep whole videos out")
     clips: list[Clip] = []
     turn = 0
     for request in sorted(readable, key=lambda r: r.video):

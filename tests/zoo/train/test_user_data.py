@@ -6,6 +6,7 @@ run's weights, the card, and bad input refused with a clear message."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,19 @@ def test_clips_are_drawn_per_video_and_whole_videos_are_held_out(folder):
     other, _ = plan_clips(requests, clip_seconds=(2, 5), clips_per_video=3, heldout=0.25, seed=1,
                           prompts=["describe the video ."], default_prompt="describe the video .")
     assert other != clips
+
+
+def test_with_one_video_its_last_clips_are_held_out_and_the_log_says_the_check_reads_high(folder, caplog):
+    one = load_requests({"folder": str(folder), "prompt": "p"})[:1]
+    with caplog.at_level(logging.WARNING, logger="reelflow.train"):
+        clips, _ = plan_clips(one, clip_seconds=(2, 5), clips_per_video=4, heldout=0.25, seed=0, prompts=["p"])
+    assert [c.heldout for c in clips] == [False, False, False, True]
+    assert "the agreement check reads high" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="reelflow.train"):
+        plan_clips(load_requests({"folder": str(folder), "prompt": "p"}), clip_seconds=(2, 5), clips_per_video=1,
+                   heldout=0.25, seed=0, prompts=["p"])
+    assert "reads high" not in caplog.text
 
 
 def test_a_manifest_rows_prompt_wins_and_others_take_the_prompt_set_in_turn(folder):
