@@ -31,8 +31,20 @@ def hide_unloadable_torchvision() -> bool:
         for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
             del sys.modules[name]
         sys.modules["torchvision"] = None
+        _forget_transformers_answer()
         log.debug("torchvision is installed but does not load (%s); it is hidden from transformers for this "
                     "process. For a working one beside the CPU torch: pip install torchvision --index-url "
                     "https://download.pytorch.org/whl/cpu", str(e).splitlines()[0] if str(e) else type(e).__name__)
         return True
     return False
+
+
+def _forget_transformers_answer() -> None:
+    """transformers caches whether torchvision is available (functools caches on its checks): a
+    script that imported transformers before reelflow may already hold the answer "yes", and would
+    then import torchvision anyway when a model loads. Its cached checks are cleared here."""
+    checks = sys.modules.get("transformers.utils.import_utils")
+    for name in dir(checks) if checks is not None else ():
+        check = getattr(checks, name)
+        if "torchvision" in name and callable(getattr(check, "cache_clear", None)):
+            check.cache_clear()

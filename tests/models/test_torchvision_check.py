@@ -7,12 +7,15 @@ import sys
 import textwrap
 
 
-def _check(tmp_path, body: str) -> tuple[list[str], str]:
+def _check(tmp_path, body: str, transformers_first: bool = False) -> tuple[list[str], str]:
     package = tmp_path / "torchvision"
     package.mkdir()
     (package / "__init__.py").write_text(body)
-    code = textwrap.dedent("""
+    # a script may import transformers (and ask it whether torchvision is there) before reelflow
+    first = "import transformers.utils.import_utils as iu; iu.is_torchvision_available()" if transformers_first else ""
+    code = textwrap.dedent(f"""
         import importlib.util, sys
+        {first}
         import models      # the package runs the check when first imported
         print(sys.modules.get("torchvision", "absent") is None, importlib.util.find_spec("torchvision") is None)
         import transformers.utils.import_utils as iu
@@ -28,6 +31,12 @@ def test_an_unloadable_torchvision_is_hidden(tmp_path):
     out, err = _check(tmp_path, 'raise RuntimeError("operator torchvision::nms does not exist")\n')
     assert out == ["True", "True", "False"]
     assert "torchvision" not in err      # harmless to reelflow: a debug note, not a warning on every run
+
+
+def test_an_unloadable_torchvision_is_hidden_after_transformers_said_it_was_there(tmp_path):
+    out, _ = _check(tmp_path, 'raise RuntimeError("operator torchvision::nms does not exist")\n',
+                    transformers_first=True)
+    assert out == ["True", "True", "False"]      # its cached "yes" is forgotten
 
 
 def test_a_loadable_torchvision_stays(tmp_path):
