@@ -48,7 +48,7 @@ _QWEN25_VISION = dict(depth=32, hidden_size=1280, num_heads=16, patch_size=14, s
                       tokens_per_second=2)
 _QWEN25_VISION_INTERMEDIATE = {"3b": 3420, "7b": 3420, "32b": 3456, "72b": 3456}
 _SIGLIP = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=26, num_attention_heads=16,
-               image_size=384, patch_size=14)
+               image_size=384, patch_size=14, vision_use_head=False)     # no pooling head: LLaVA reads the states
 
 # name -> (family, text shape, vision shape, preprocessing of the real checkpoint's video input)
 SHAPES: dict[str, tuple[str, dict, dict, dict]] = {}

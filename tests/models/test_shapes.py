@@ -26,6 +26,12 @@ def test_a_shape_has_its_checkpoints_parameter_count(name, published):
     assert abs(n - published) / published < 0.01, n
 
 
+def test_the_llava_tower_has_no_pooling_head_as_the_real_checkpoints():
+    """SigLIP's attention-pooling head is not in LLaVA-OneVision's checkpoints (it reads the
+    tower's states): a random tower that had one would time arithmetic the real model never does."""
+    assert config_of("llava-onevision-7b").vision_config.vision_use_head is False
+
+
 def test_qwen_shapes_split_rotary_frequencies_as_the_real_checkpoints():
     text = config_of("qwen2.5-vl-32b").text_config
     assert text.hidden_size // text.num_attention_heads == 128
