@@ -1,6 +1,7 @@
 """The small object a stage gets on every call: emit to a port now, end a stream, check for
-cancellation, time a part of the call. In a worker process the same object forwards emit and end
-over the worker's pipe, and the timed parts go back with the call's result."""
+cancellation, time a part of the call, count what the call did. In a worker process the same
+object forwards emit and end over the worker's pipe, and the timed parts and counts go back with
+the call's result."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class StageContext:
         self._emit, self._end, self._cancelled = emit, end, cancelled
         self._sync = sync or (lambda: None)
         self.parts: list[TimedPart] = []       # what timer() measured in this call, in order
+        self.counts: dict[str, float] = {}     # what count() added up in this call
 
     def emit(self, port: str, item: Any) -> None:
         """Publish `item` on `port` now (a streamed item or a tap); blocks while the consumer's
@@ -73,6 +75,12 @@ class StageContext:
             self._sync()
             part.t1 = time.perf_counter()
             self.parts.append(part)
+
+    def count(self, name: str, amount: float) -> None:
+        """Adds `amount` to this call's count `name` (the arithmetic it did, bytes it moved); the
+        executor sums each name over the node's calls into metrics.json (stages.<node>.counts),
+        where a report sets it against the node's time (FLOPs over busy seconds: a rate)."""
+        self.counts[name] = self.counts.get(name, 0) + amount
 
     def __repr__(self) -> str:
         return f"StageContext(node={self.node!r}, item={self.item}, device={self.device})"

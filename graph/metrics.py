@@ -51,8 +51,9 @@ def ideal_wall_s(calls: list, workers: dict[str, int], pins: dict[str, int | Non
 
 def stage_stats(calls: Iterable[Any], resources: dict[str, str], t_start: float = 0.0) -> dict[str, dict]:
     """Per node: busy, blocked and engine seconds, calls, the span from its first call's start
-    to its last call's end (start_s, end_s: seconds from `t_start`, the run's start), and, for a
-    stage that timed parts of its calls (ctx.timer), `timers`: {name: {"s": total, "n": count, "min": the shortest}}."""
+    to its last call's end (start_s, end_s: seconds from `t_start`, the run's start), for a
+    stage that timed parts of its calls (ctx.timer), `timers`: {name: {"s": total, "n": count, "min": the shortest}},
+    and for one that counted (ctx.count), `counts`: {name: the sum over its calls}."""
     stats: dict[str, dict] = {}
     for c in calls:
         s = stats.setdefault(c.node, {"busy_s": 0.0, "calls": 0, "blocked_s": 0.0, "engine_s": 0.0,
@@ -66,6 +67,9 @@ def stage_stats(calls: Iterable[Any], resources: dict[str, str], t_start: float 
             timer["s"] += t1 - t0
             timer["n"] += 1
             timer["min"] = min(timer["min"], t1 - t0)
+        for name, amount in getattr(c, "counts", {}).items():
+            counts = s.setdefault("counts", {})
+            counts[name] = counts.get(name, 0) + amount
         if c.phase != "setup":
             s["start_s"], s["end_s"] = min(s["start_s"], c.t0 - t_start), max(s["end_s"], c.t1 - t_start)
     for s in stats.values():           # a node that only ran its setup has no span

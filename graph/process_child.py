@@ -4,7 +4,7 @@ and its resident values, and the pickled messages it exchanges with the parent-s
 
 Parent -> child: ("job", phase, node, item, kwargs, request, stage_cfg, run) | ("exit",).
 Child -> parent: ("emit", port, item) and ("end", port), each answered ("ok",) or ("cancel",);
-then ("done", result, timed parts) or ("error", type name, message, traceback text).
+then ("done", result, timed parts, counts) or ("error", type name, message, traceback text).
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def child_main(conn, torch_threads: int, device: str, name: str = "", affinity: 
             if isinstance(result, dict) and resident_ports:
                 result = {k: residents.keep(v) if k in resident_ports else v for k, v in result.items()}
             # perf_counter is CLOCK_MONOTONIC, one clock for every process: the parent can place these
-            send(conn, ("done", result, [(p.name, p.t0, p.t1) for p in ctx.parts]))
+            send(conn, ("done", result, [(p.name, p.t0, p.t1) for p in ctx.parts], ctx.counts))
         except BaseException as e:
             send(conn, ("error", type(e).__name__, str(e), traceback.format_exc()))
         if phase == "close":

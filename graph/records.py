@@ -45,6 +45,7 @@ class CallRecord:
     deps: list = field(default_factory=list)   # origins of the items it consumed
     emits: list = field(default_factory=list)  # (port, t, busy offset)
     parts: list = field(default_factory=list)  # (name, t0, t1): what the stage timed with ctx.timer
+    counts: dict = field(default_factory=dict)  # name -> amount: what the stage counted with ctx.count
 
     @property
     def busy(self) -> float:

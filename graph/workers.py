@@ -182,6 +182,7 @@ class Worker:
         finally:
             if job.record is not None:
                 job.record.parts = [(p.name, p.t0, p.t1) for p in ctx.parts]
+                job.record.counts = dict(ctx.counts)
 
     def _device_sync(self) -> Callable[[], None] | None:
         """What a timed part waits for before reading the clock: nothing on a CPU worker."""
@@ -357,7 +358,7 @@ class ProcessWorker(Worker):
                     send(self._conn, ("cancel",))
             elif kind == "done":
                 if job.record is not None:
-                    job.record.parts = msg[2]
+                    job.record.parts, job.record.counts = msg[2], msg[3]
                 return msg[1]
             elif kind == "error":
                 if msg[1] == "Cancelled":

@@ -198,7 +198,8 @@ class ThreadsPerItem(Stage):
 
 class RunCounter(Stage):
     """Counts the items of a run in per-run state that only `start_run` resets; fails on item
-    `fail_at` of the run numbered `fail_run` (0-based), and times each item's work as a part."""
+    `fail_at` of the run numbered `fail_run` (0-based), times each item's work as a part and
+    counts it (its item number plus one as "weight", one a call as "items")."""
 
     inputs = {"item": In(object, stream=True)}
     outputs = {"count": Out(dict)}
@@ -219,6 +220,8 @@ class RunCounter(Stage):
             raise RuntimeError("RunCounter told to fail")
         with ctx.timer("work"):
             time.sleep(self.work_s)
+        ctx.count("items", 1)
+        ctx.count("weight", self.n + 1)
         self.n += 1
         assert self.started_on == (os.getpid(), threading.get_ident()), "start_run ran on another worker"
 

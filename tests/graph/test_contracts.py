@@ -1,6 +1,7 @@
 """The engine's side of the stage contract: per-run state starts clean through `start_run` (after a
-failed run too, and on the stage's own worker), and parts a stage times with `ctx.timer` reach the
-call records, the trace and the metrics, from thread and process workers alike."""
+failed run too, and on the stage's own worker), and parts a stage times with `ctx.timer` and what
+it counts with `ctx.count` reach the call records, the trace and the metrics, from thread and
+process workers alike."""
 
 from __future__ import annotations
 
@@ -52,6 +53,17 @@ def test_timed_parts_reach_records_trace_and_metrics(on, no_leftovers):
     parts = [e for e in chrome_trace(result.calls, result.t_start, [r.name for r in plan.resources], set())["traceEvents"]
              if e.get("cat") == "part"]
     assert [e["name"] for e in parts] == ["count.work"] * 4
+
+
+@pytest.mark.parametrize("on", ["target", "decode"])
+def test_counts_are_summed_per_node_from_thread_and_process_workers(on, no_leftovers):
+    spec, plan = make(counter_graph(on))
+    with Executor(spec, plan, progress=False) as ex:
+        result = ex.run(Request())
+    calls = [c for c in result.calls if c.node == "count" and c.phase == "call"]
+    assert [c.counts for c in calls] == [{"items": 1, "weight": k} for k in (1, 2, 3, 4)]
+    stats = stage_stats(result.calls, {"src": "cpu", "count": on})
+    assert stats["count"]["counts"] == {"items": 4, "weight": 10} and "counts" not in stats["src"]
 
 
 def test_a_stage_without_per_run_state_costs_no_start_run_job():
