@@ -18,6 +18,7 @@ import functools
 import torch
 
 from graph.stage import In, Out, Stage
+from models.matrix_rate import matmul_probe
 from models.registry import get_model
 from speculative.tree import bushy_tree, tree_depths, tree_mask
 from stages.types import PrefillResult, Tokens
@@ -33,16 +34,6 @@ def parse_shape(shape) -> tuple[str, int]:
     if not count.isdigit() or int(count) < 1:
         raise ValueError(f"shape {shape!r}: a token count (8 or 'k8') or a tree size ('tree30')")
     return kind, int(count)
-
-
-def matmul_probe(device, dtype) -> tuple:
-    """A square matrix product in the model's dtype, large enough to run at the device's matrix
-    rate (1,024 a side on a CPU, 8,192 on a GPU), and its floating-point operations: timed beside
-    the forwards, the fastest rate their arithmetic could run at on this machine."""
-    side = 8192 if torch.device(device).type == "cuda" else 1024
-    a, b = (torch.randn(side, side, device=device, dtype=dtype) for _ in range(2))
-    out = torch.empty(side, side, device=device, dtype=dtype)
-    return functools.partial(torch.matmul, a, b, out=out), 2 * side**3
 
 
 def step_bytes(lm, cache) -> dict:

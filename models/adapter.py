@@ -61,6 +61,12 @@ class Layout:
         return pos.expand(self.positions.shape[0], k)
 
 
+def matrix_weights(module: torch.nn.Module) -> int:
+    """Weights a token meets in `module`'s matrices and convolutions (norms' vectors left out):
+    half the floating-point operations a token costs passing through them."""
+    return sum(p.numel() for p in module.parameters() if p.dim() >= 2)
+
+
 class VideoLM:
     """Base adapter: the text decoder loop, caches and scoring shared by both families.
     Subclasses supply `encode`, `video_token_count`, `_positions` and the placeholder id."""
@@ -298,18 +304,25 @@ class VideoLM:
         params = [*self.text.layers.parameters(), *self.text.norm.parameters(), self.lm_head.weight]
         return int(sum(p.numel() * (2 if holds_bfloat16(p) else p.element_size()) for p in params))
 
-    def forward_flops(self, new: int, cached: int) -> int:
+    def forward_flops(self, new: int, cached: float, *, causal: bool = False, logits: int | None = None) -> int:
         """Floating-point operations a forward of `new` tokens after `cached` entries does at least
         (a multiply-add counts two): each token through every decoder layer's weight matrices and
-        the LM head, and in attention each query head scoring every cached and new key and summing
-        its value. Norms, biases and rotary are left out (a rounding error beside them); a tree's
-        nodes see only their ancestors among the new tokens, counted whole (an upper bound of a
-        few new keys against the cache's thousands)."""
-        matrices = [p for p in [*self.text.layers.parameters(), self.lm_head.weight] if p.dim() == 2]
+        the LM head, and in attention each query head scoring every key it sees and summing its
+        value. Norms, biases and rotary are left out (a rounding error beside them).
+
+        causal: new token i sees the cache and new tokens 0..i (a prompt's prefill: what a causal
+        kernel computes, about half of the whole square at a long prompt); otherwise every new
+        token counts every cached and new key (a tree's nodes see only their ancestors: an upper
+        bound of a few keys against the cache's thousands). `cached` may be the mean of the
+        layers' lengths (a pruned cache): attention is linear in it. logits: the positions the LM
+        head scores (None: every new one; a prefill scores its last, or none)."""
+        layers = sum(p.numel() for p in self.text.layers.parameters() if p.dim() == 2)
         heads = self.text_config.num_attention_heads
         head_dim = getattr(self.text_config, "head_dim", None) or self.hidden_size // heads
-        attention = self.n_layers * heads * 2 * head_dim * (cached + new)        # QK and PV, a token
-        return 2 * new * (sum(p.numel() for p in matrices) + attention)
+        keys = new * cached + (new * (new + 1) / 2 if causal else new * new)     # query-key pairs, a layer and head
+        attention = self.n_layers * heads * 2 * head_dim * keys                  # QK and PV, multiply-adds
+        scored = new if logits is None else logits
+        return round(2 * (new * layers + scored * self.lm_head.weight.numel() + attention))
 
     def parameter_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -396,6 +409,14 @@ class VideoLM:
     def encode(self, frames: torch.Tensor, *, last: bool = True) -> torch.Tensor:
         """uint8 frames [n, 3, H, W] -> visual embeddings [n_tokens, hidden] in prompt order.
         Frames are encoded group by group (`last` marks the video's final group)."""
+        raise NotImplementedError
+
+    def encode_flops(self, frames: int, frame_hw: tuple[int, int]) -> int:
+        """Floating-point operations `encode` does on `frames` frames of `frame_hw` pixels (a
+        multiply-add counts two): the vision tower's and the projector's weight matrices (the patch
+        embedding's convolution among them) over every token they see, and attention over the
+        keys each token attends to. Norms, activations and resampling are left out. Exactly what
+        torch's FlopCounterMode counts of the same call (tests/models/test_flops.py)."""
         raise NotImplementedError
 
     def describe(self) -> dict:

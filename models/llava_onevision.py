@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from models.adapter import VideoLM
+from models.adapter import VideoLM, matrix_weights
 from models.preprocess import SIGLIP_MEAN, SIGLIP_STD, siglip_video_pixels
 
 
@@ -46,6 +46,24 @@ class LlavaOneVision(VideoLM):
         pixels = siglip_video_pixels(frames, self.mean, self.std)[None]
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                 "pixel_values_videos": pixels.to(self.device, self.dtype)}
+
+    def encode_flops(self, frames, frame_hw):
+        self.video_token_count(frames, frame_hw)                     # the tower's own size, or a clear error
+        cfg = self.vision
+        tower = self.model.model.vision_tower
+        tower = getattr(tower, "vision_model", tower)
+        hidden, patches = cfg.hidden_size, (cfg.image_size // cfg.patch_size) ** 2     # tokens a frame
+        per_frame = 2 * patches * (matrix_weights(tower.embeddings.patch_embedding)
+                                   + matrix_weights(tower.encoder.layers))
+        per_frame += 4 * hidden * cfg.num_hidden_layers * patches ** 2            # full attention in each frame
+        if getattr(tower, "head", None) is not None:   # SigLIP's pooling head (its output is not used)
+            head = tower.head
+            # one probe query against every token's key and value; the rest on the probe alone
+            per_frame += 2 * (2 * hidden * hidden * patches + 2 * hidden * hidden + matrix_weights(head.mlp))
+            per_frame += 4 * hidden * patches
+        dropped = self.model.config.vision_feature_select_strategy == "default"    # the first token, a CLS
+        per_frame += 2 * (patches - dropped) * matrix_weights(self.model.model.multi_modal_projector)
+        return frames * per_frame
 
     @torch.inference_mode()
     def encode(self, frames, *, last=True):

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from models.adapter import VideoLM
+from models.adapter import VideoLM, matrix_weights
 from models.preprocess import CLIP_MEAN, CLIP_STD, qwen_video_patches
 
 
@@ -75,6 +75,23 @@ class QwenVL(VideoLM):
                 "second_per_grid_ts": torch.tensor([self.vision.temporal_patch_size / fps], device=self.device),
                 "mm_token_type_ids": (ids == self.placeholder_id).int() * 2}
 
+    def encode_flops(self, frames, frame_hw):
+        tower, cfg = self.model.model.visual, self.vision
+        merge, patch = cfg.spatial_merge_size, cfg.patch_size
+        h, w = frame_hw[0] // patch, frame_hw[1] // patch
+        steps = math.ceil(frames / cfg.temporal_patch_size)          # temporal patches: an odd last frame repeats
+        patches = steps * h * w
+        # window blocks attend within windows of `side` x `side` merged units, tiled from the
+        # top-left (the last row and column cut short); full blocks within each temporal patch
+        side = cfg.window_size // merge // patch
+        full_blocks = len(cfg.fullatt_block_indexes)
+        window_pairs = merge ** 4 * _tiled_squares(h // merge, side) * _tiled_squares(w // merge, side)
+        pairs = full_blocks * (h * w) ** 2 + (cfg.depth - full_blocks) * window_pairs    # query-key pairs, a step
+        attention = 4 * cfg.hidden_size * steps * pairs
+        merged = patches // merge ** 2
+        return (2 * patches * (matrix_weights(tower.patch_embed) + matrix_weights(tower.blocks))
+                + 2 * merged * matrix_weights(tower.merger) + attention)
+
     @torch.inference_mode()
     def encode(self, frames, *, last=True):
         # uint8 frames cross to the device (4x fewer bytes than float32 patches), normalised there
@@ -83,3 +100,8 @@ class QwenVL(VideoLM):
         # the grid goes where the tower runs: it computes rotary positions from it on its device
         out = self.model.model.get_video_features(flat.to(self.device, self.dtype), torch.tensor([grid], device=self.device))
         return out.pooler_output[0]
+
+
+def _tiled_squares(n: int, side: int) -> int:
+    """Sum of the squared lengths of the pieces `side` long (the last one shorter) that cover n."""
+    return sum(min(side, n - start) ** 2 for start in range(0, n, side))
