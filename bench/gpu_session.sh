@@ -23,8 +23,10 @@
 #              captured path (eager operations, inductor's kernels) against its floor and
 #              transformers' static cache + torch.compile, verifications and Sparrow's round;
 #   toy        bench_sparrow on the GPU with captured steps: ar, sparrow, vanilla_sd, parallelvlm;
-#   figure5    QuickVideo's Figure 5 at real size (bench_quickvideo_gpu, ~5 min on an H100): not in
-#              the default set; run it in a call of its own with PARTS=figure5;
+#   figure5    QuickVideo's Figure 5 at real size (bench_quickvideo_gpu, ~5 min on an H100), with the
+#              vision tower's and the group prefill's FLOPs as shares of the card's bf16 matrix rate
+#              (encode_share, prefill_share, matrix_tflops): not in the default set; run it in a call
+#              of its own with PARTS=figure5;
 #   nvdec      decoding on the GPU (torchcodec's CUDA device) against QuickCodec on the CPU cores, on
 #              the 10-min benchmark video, and NVDEC's frames against PyAV's (PARTS=nvdec; it needs
 #              torchcodec's CUDA build and FFmpeg's libraries on the machine, and says so without them).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from typing import Callable
 
@@ -25,18 +26,29 @@ def matmul_probe(device, dtype) -> tuple[Callable[[], torch.Tensor], int]:
     return functools.partial(torch.matmul, a, b, out=out), 2 * side**3
 
 
-def matrix_rate(device, dtype, repeats: int = 10) -> float:
-    """FLOP/s of the probe's product on `device` in `dtype`, with the calling thread's torch
-    threads: the fastest of `repeats` timed products after an untimed one (the most the device
-    gave, so a share of it is not flattered by a slow probe)."""
+def matrix_rate(device, dtype, seconds: float = 0.5, at_least: int = 10) -> float:
+    """FLOP/s of the probe's product on `device` in `dtype`: the fastest of the products timed
+    over `seconds` (and at least `at_least` of them) after an untimed one. The fastest is the most
+    the device gave, so a share of it is not flattered by a slow probe, and half a second of them
+    outlasts a moment of other work (a worker process starting beside a CPU probe). On a CPU the
+    device is every core this process may use: the products run on that many torch threads,
+    whatever the calling worker's own count (restored after), so a stage's share says how much of
+    the machine its arithmetic used."""
     run, flops = matmul_probe(device, dtype)
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    run()
-    sync()
-    best = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    threads = torch.get_num_threads()
+    if not cuda:
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+    try:
         run()
         sync()
-        best = min(best, time.perf_counter() - t0)
+        best, timed, start = math.inf, 0, time.perf_counter()
+        while timed < at_least or time.perf_counter() - start < seconds:
+            t0 = time.perf_counter()
+            run()
+            sync()
+            best, timed = min(best, time.perf_counter() - t0), timed + 1
+    finally:
+        torch.set_num_threads(threads)
     return flops / best

@@ -50,6 +50,7 @@ class VisionEncoder(Stage):
         if frames.shape[0] == 0:
             return {}
         embeds = self.lm.encode(frames, last=group.last)
+        ctx.count("flops", self.lm.encode_flops(int(frames.shape[0]), tuple(frames.shape[-2:])))
         meta = {"first_frame": self.frames_in, "frames": int(frames.shape[0]),
                 "frame_hw": tuple(frames.shape[-2:]), "fps": self.fps}
         self.frames_in += int(frames.shape[0])

@@ -45,7 +45,12 @@ class Prefill(Stage):
     encoder delivers them); prune: null, or the keys of stages.prune.GroupKVPrune (importance,
     keep, start_layer, decay, seed, keyframe_every; groups mode); measure_memory: record each group's peak memory
     (models.memory.PeakMemory: on a GPU this synchronises once per group; on a CPU it counts every
-    operation's tensors, ~25 % slower)."""
+    operation's tensors, ~25 % slower); measure_matrix_rate: time the device's matrix product in the
+    model's dtype at setup (models.matrix_rate), reported beside the prefill's figures
+    (`matrix_flops_per_s`): the yardstick for the encoder's and the prefill's counted arithmetic.
+
+    Every prompt forward is counted (ctx.count "flops", models' forward_flops: causal, over what the
+    cache holds), but FastV's, whose later layers see fewer tokens."""
 
     placement = "gpu"
     inputs = {"tokens": In(VisualTokens, stream=True), "request": In(Request)}
@@ -53,7 +58,7 @@ class Prefill(Stage):
 
     def __init__(self, model: dict, mode: str = "one_shot", max_new_tokens: int = 256, group_frames: int = 0,
                  prune: dict | None = None, measure_memory: bool = False, taps: list | None = None,
-                 attention: list | None = None, fastv: dict | None = None):
+                 attention: list | None = None, fastv: dict | None = None, measure_matrix_rate: bool = False):
         if mode not in ("one_shot", "groups"):
             raise ValueError(f"mode must be one_shot or groups, got {mode!r}")
         if group_frames < 0:
@@ -62,6 +67,7 @@ class Prefill(Stage):
             raise ValueError("prune needs mode=groups (QuickPrefill prunes each group as it is prefilled)")
         self.model, self.mode, self.max_new_tokens = dict(model), mode, max_new_tokens
         self.group_frames, self.measure_memory = group_frames, measure_memory
+        self.measure_matrix_rate, self.matrix_rate = measure_matrix_rate, None
         self.prune = dict(prune) if prune else None
         self.taps = sorted(int(t) for t in (taps or []))
         if self.taps and self.taps[0] < 0:
@@ -87,6 +93,10 @@ class Prefill(Stage):
         self.lm = get_model(self.model, ctx.device)
         if self.taps and self.taps[-1] > self.lm.n_layers:
             raise ValueError(f"taps {self.taps}: {self.lm.name} has {self.lm.n_layers} layers")
+        if self.measure_matrix_rate:
+            from models.matrix_rate import matrix_rate
+
+            self.matrix_rate = matrix_rate(self.lm.device, self.lm.dtype)
         self._reset()
 
     def _reset(self) -> None:
@@ -110,7 +120,7 @@ class Prefill(Stage):
         if self.mode == "one_shot":
             return {}
         for embeds, frames in self._cut_groups(last=tokens.last):
-            self._prefill_group(request, embeds, frames)
+            self._prefill_group(ctx, request, embeds, frames)
             ctx.check()
         return {}
 
@@ -136,7 +146,7 @@ class Prefill(Stage):
             self.pending = [rest] if rest.shape[0] else []
             self.pending_frames -= frames
 
-    def _prefill_group(self, request: Request, embeds: torch.Tensor, frames: int) -> None:
+    def _prefill_group(self, ctx, request: Request, embeds: torch.Tensor, frames: int) -> None:
         """The prefix text (first time) and this group, at their positions in the full prompt;
         then the group's entries pruned in every layer."""
         self.frames += frames
@@ -147,6 +157,7 @@ class Prefill(Stage):
         n = embeds.shape[0]
         stop = layout.video_start + self.video_done + n
         offset = layout.video_start + self.video_done - self.done     # where this group's rows start in the span
+        self._count(ctx, stop - self.done, logits=0)
         # the group's forward only: pruning copies the cache (DynamicCache's index_select), which
         # is this implementation's cost, not the group's
         with PeakMemory(self.lm.device) if self.measure_memory else _NoProbe() as probe:
@@ -180,6 +191,8 @@ class Prefill(Stage):
             self._check_context(layout)
             self.cache = self.lm.new_cache()
             embeds = self.lm.embed(layout.ids, torch.cat(self.pending), layout.video_start)
+            if not self.fastv:    # FastV's later layers see fewer tokens: no count rather than a wrong one
+                self._count(ctx, layout.length, logits=1)
             if self.fastv:
                 logits = self.lm.prefill(self.cache, embeds, layout.positions, drop_after=int(self.fastv["layer"]),
                                          choose=self._fastv_choice(layout))
@@ -194,6 +207,7 @@ class Prefill(Stage):
                 ctx.emit("attention", Taps(probs, layout=layout, model=self.lm.name))
         else:
             layout = self._layout(request, self.frames)
+            self._count(ctx, layout.length - self.done, logits=1)
             logits = self.lm.prefill(self.cache, self.lm.embed(layout.ids[self.done:]), layout.positions[:, self.done:],
                                      taps=self.taps, on_tap=self._tap_publisher(ctx, layout, self.tapped))
         lengths = self.lm.layer_lengths(self.cache)
@@ -207,10 +221,19 @@ class Prefill(Stage):
                  "kv_bytes": self.lm.cache_bytes(self.cache),
                  "peak_group_bytes": max(peaks) if peaks else None,
                  "prune": self.pruner.describe() if self.pruner else None}
+        if self.matrix_rate is not None:
+            stats["matrix_flops_per_s"] = round(self.matrix_rate)
         kv = PrefillResult(self.cache, layout.length, layout=layout, logits=logits, model=self.lm.name,
                 n_video_tokens=layout.n_video, frames=self.frames, prefill=stats)
         self._reset()
         return {"kv": kv}
+
+    def _count(self, ctx, new: int, logits: int) -> None:
+        """The arithmetic of prefilling `new` prompt tokens after what the cache holds now
+        (ctx.count "flops": a report sets it against the stage's time). The prompt's forwards
+        only: the question a pruner scores against the cache is its own cost, left out."""
+        lengths = self.lm.layer_lengths(self.cache) or [0]
+        ctx.count("flops", self.lm.forward_flops(new, sum(lengths) / len(lengths), causal=True, logits=logits))
 
     def _fastv_choice(self, layout):
         """The span indices later layers keep: all text, and the ⌈keep·m⌉ video tokens the last
@@ -292,6 +315,7 @@ class SelectedPrefill(Prefill):
         keep = torch.cat([torch.arange(layout.video_start), layout.video_start + selection.keep.cpu(),
                           torch.arange(end, layout.length)])
         self.cache = self.lm.new_cache()
+        self._count(ctx, int(keep.numel()), logits=1)
         logits = self.lm.prefill(self.cache, embeds[keep], layout.positions[:, keep])
         # where in the video the kept tokens are: the share of them in each tenth of the video (does
         # a selection pile up at the ends, as attention-guided pruning does in ParallelVLM's Fig. 7a?)

@@ -418,3 +418,8 @@ def test_the_gpu_figure5_benchmark_runs_at_a_small_size_on_the_cpu(tmp_path):
     assert [r["tokens_meta"]["prefill"]["mode"] for r in runs] == ["groups", "groups", "one_shot"]
     table = (tmp_path / "report.md").read_text()
     assert "| overlap_bound_s |" in table and (tmp_path / "report.png").is_file()
+    # the tower's and the prefill's arithmetic over their time, against the matrix rate timed at setup
+    assert "| encode_share | prefill_share | matrix_tflops |" in table and "- `encode_share`: " in table
+    for r in runs:
+        assert r["stages"]["encode"]["counts"]["flops"] > 0 and r["stages"]["prefill"]["counts"]["flops"] > 0
+        assert r["tokens_meta"]["prefill"]["matrix_flops_per_s"] > 1e9

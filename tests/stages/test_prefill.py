@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from graph.context import StageContext
 from graph.executor import Executor, StageFailed
 from models.registry import release_all
 from zoo.videos import make_video
@@ -83,12 +84,11 @@ def test_each_group_keeps_ceil_ratio_of_its_entries_in_every_layer(qwen, importa
     assert tokens.meta["prompt_tokens"] == stats["logical_length"]       # decoding counts pruned tokens
 
 
-class _Ctx:
-    def __init__(self, item, request):
-        self.item, self.request, self.device, self.node = item, request, torch.device("cpu"), "prefill"
-
-    def check(self):
-        pass
+def _Ctx(item, request, sink: dict | None = None) -> StageContext:
+    """The context the executor gives the prefill stage on a call; what it emits lands in `sink`."""
+    return StageContext("prefill", item, torch.device("cpu"), request,
+                        emit=lambda port, value: sink.__setitem__(port, value) if sink is not None else None,
+                        end=lambda port: None, cancelled=lambda: False)
 
 
 def test_a_pruned_cache_keeps_positions_and_decodes_at_the_logical_length(tmp_path):
@@ -148,6 +148,26 @@ def test_overlapped_and_sequential_runs_give_the_same_tokens(qwen):
             out[runner] = ex.run(Request("v", video, PROMPT)).outputs["generate.tokens"].ids
     assert out["threaded"] == out["sequential"]
     assert len(out["threaded"]) == 20
+
+
+def test_the_prefill_counts_the_arithmetic_of_its_prompt_whether_in_groups_or_at_once(qwen):
+    """Unpruned groups attend to what came before and causally within themselves: together the
+    very arithmetic of one causal forward over the prompt, so the two counts are equal; pruning
+    shortens what later groups attend to. The encoder's count is the tower's over all frames."""
+    from models.registry import get_model
+
+    model, video = qwen
+    cases = {"one_shot": ar_nodes(model, max_new_tokens=4),
+             "groups": quickvideo_nodes(model, group_frames=6, prune={"keep": 1.0}, max_new_tokens=4),
+             "pruned": quickvideo_nodes(model, group_frames=6, prune={"keep": 0.5}, max_new_tokens=4)}
+    counts = {}
+    for case, nodes in cases.items():
+        result = run_graph(nodes, Request("v", video, PROMPT))
+        counts[case] = {node: sum(c.counts.get("flops", 0) for c in result.calls if c.node == node)
+                        for node in ("encode", "prefill")}
+    lm = get_model(model)
+    assert counts["one_shot"]["prefill"] == counts["groups"]["prefill"] > counts["pruned"]["prefill"] > 0
+    assert {c["encode"] for c in counts.values()} == {lm.encode_flops(24, (84, 84))}
 
 
 class FailingQuickCodec(QuickCodec):
@@ -227,13 +247,6 @@ def test_fastv_drops_visual_tokens_after_layer_k_only(tmp_path, keep):
         release_all()
 
 
-class _TapCtx(_Ctx):
-    def __init__(self, item, request, sink):
-        super().__init__(item, request)
-        self.sink = sink
-
-    def emit(self, port, value):
-        self.sink[port] = value
 
 
 def test_group_prefill_publishes_taps_of_every_row_as_one_shot_does(qwen):
@@ -253,10 +266,10 @@ def test_group_prefill_publishes_taps_of_every_row_as_one_shot_does(qwen):
         for i, start in enumerate(range(0, 24, 8)):
             last = start + 8 == 24
             meta = {"frames": 8, "frame_hw": (84, 84), "fps": 2.0}
-            stage(_TapCtx(i, request, sink), VisualTokens(i, stage.lm.encode(frames[start:start + 8], last=last), meta,
+            stage(_Ctx(i, request, sink), VisualTokens(i, stage.lm.encode(frames[start:start + 8], last=last), meta,
                                                          last=last), request)
         assert "taps" not in sink                                     # not before the text after the video
-        stage.finish(_TapCtx(3, request, sink))
+        stage.finish(_Ctx(3, request, sink))
     one_shot, grouped = published["one_shot"]["taps"], published["groups"]["taps"]
     assert sorted(grouped.layers) == [0, 3, 6] and grouped.layout.length == one_shot.layout.length
     for layer in (0, 3, 6):
