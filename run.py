@@ -160,6 +160,34 @@ def check_train_keys(argv: list[str]) -> None:
         sys.exit(2)
 
 
+def check_config_choices(argv: list[str]) -> None:
+    """`GROUP=NAME` (and `+GROUP=`, `GROUP@PACKAGE=`, a sweep's `GROUP=A,B`) naming no file of
+    conf/GROUP/: one line naming the closest choices and every one, status 2 like every other
+    config error, before Hydra (which would say it at length, with status 1). Values in Hydra's
+    sweep functions (`choice(...)`, `glob(...)`) and Hydra's own groups are left to Hydra."""
+    import difflib
+    import re
+
+    if any("searchpath" in arg for arg in argv):       # configs from elsewhere: only Hydra knows them all
+        return
+    root = Path(__file__).resolve().parent / "conf"
+    problems = []
+    for arg in argv:
+        m = re.fullmatch(r"\+{0,2}([A-Za-z_][\w/]*)(?:@[\w.]+)?=([\w.,-]+)", arg)
+        if not m or m[1].startswith("hydra") or not (root / m[1]).is_dir():
+            continue
+        group, values = m[1], m[2].split(",")
+        known = sorted(p.stem for p in (root / group).glob("*.yaml"))
+        for value in values:
+            if value not in known and value != "null":
+                close = difflib.get_close_matches(value, known, n=3)
+                hint = f"did you mean {' or '.join(close)}? " if close else ""
+                problems.append(f"{group}={value}: no such choice in conf/{group}/; {hint}the choices: {', '.join(known)}")
+    if problems:
+        print("reelflow: " + "\n  ".join(problems), file=sys.stderr)
+        sys.exit(2)
+
+
 def expand_home(argv: list[str]) -> list[str]:
     """`key=~/videos` (and each `~/...` of a sweep's `key=~/a,~/b`) with the home directory put in.
     A shell leaves a `~` after `key=` as it is, since `data.folder=` is no shell assignment, and
@@ -187,5 +215,6 @@ def start_openmp_runtime(argv: list[str]) -> None:
 if __name__ == "__main__":
     sys.argv[1:] = expand_home(sys.argv[1:])
     start_openmp_runtime(sys.argv[1:])
+    check_config_choices(sys.argv[1:])
     check_train_keys(sys.argv[1:])
     main()

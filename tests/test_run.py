@@ -157,6 +157,32 @@ def test_bad_input_is_one_clear_message(args, code, expect, tmp_path):
 
 
 @pytest.mark.parametrize("args,expect", [
+    (["model=toy_qwn"], "model=toy_qwn: no such choice in conf/model/; did you mean toy_qwen?"),
+    (["+experiment=nosuch"], "experiment=nosuch: no such choice in conf/experiment/"),
+    (["-m", "+experiment=bench_sparrow", "method=ar,sparow"], "method=sparow: no such choice in conf/method/"),
+    (["stage/decode@graph.nodes.decode.stage=pyavv"], "stage/decode=pyavv: no such choice in conf/stage/decode/; did you mean pyav?"),
+], ids=["model", "experiment", "swept", "packaged"])
+def test_a_config_choice_that_is_no_file_is_one_line_and_status_2(args, expect, tmp_path):
+    out = run(*args, f"hydra.run.dir={tmp_path}", f"hydra.sweep.dir={tmp_path}")
+    assert out.returncode == 2 and expect in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "HYDRA_FULL_ERROR" not in out.stderr
+    assert not any(tmp_path.iterdir())                  # refused before Hydra made a run dir
+
+
+def test_every_choice_the_check_knows_is_one_hydra_composes():
+    """The check reads conf/GROUP/*.yaml: each file it accepts must be a choice Hydra composes too
+    (a group the check reads wrong would refuse good commands)."""
+    from run import check_config_choices
+
+    for group in ("model", "method", "resources", "data", "cluster"):
+        for choice in sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml")):
+            check_config_choices([f"{group}={choice}"])               # no exit
+            with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+                compose("config", overrides=[f"{group}={choice}"] if group != "method" else
+                        ["+experiment=bench_sparrow", f"method={choice}"])
+
+
+@pytest.mark.parametrize("args,expect", [
     (["train.stepz=5"], "train.stepz: no such key; did you mean train.steps?"),
     (["+train.warmpu=5"], "train.warmpu: no such key; did you mean train.warmup"),
     (["train.precision=fp16", "train.steps=0"], "invalid config (2 problems):"),
