@@ -182,7 +182,8 @@ def check_config_choices(argv: list[str]) -> None:
             if value not in known and value != "null":
                 close = difflib.get_close_matches(value, known, n=3)
                 hint = f"did you mean {' or '.join(close)}? " if close else ""
-                problems.append(f"{group}={value}: no such choice in conf/{group}/; {hint}the choices: {', '.join(known)}")
+                problems.append(f"{group}={value}: no such choice in conf/{group}/; {hint}"
+                                f"the choices: {', '.join(known)}")
     if problems:
         print("reelflow: " + "\n  ".join(problems), file=sys.stderr)
         sys.exit(2)
