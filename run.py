@@ -63,7 +63,7 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(2)
     except StageFailed as e:
         log.debug("%s", e.traceback_text)
-        (run_dir / "error.txt").write_text(f"{e}\n\n{e.traceback_text}")
+        _record_error(run_dir, e)
         print(f"reelflow: run failed: {e}\n  (traceback in {run_dir / 'error.txt'})", file=sys.stderr)
         sys.exit(1)
     except RequestsFailed as e:
@@ -74,9 +74,9 @@ def main(cfg: DictConfig) -> float | None:
         print(f"reelflow: run failed: {e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:
-        kept = _results_kept(run_dir / RESULTS)
+        kept = _results_kept(run_dir)
         print("reelflow: interrupted; run cancelled and cleaned up" + (
-            f"; {kept} kept in {run_dir / RESULTS}: the same command with cluster.resume=true goes on from them"
+            f"; {kept} kept in {run_dir / RESULTS}: the same command with cluster.resume=true goes on from there"
             if kept else ""), file=sys.stderr)
         sys.exit(130)
     runs, failed = metrics.get("runs") or [], metrics.get("failed") or []
@@ -93,12 +93,24 @@ def main(cfg: DictConfig) -> float | None:
     return metrics["wall_s"]
 
 
-def _results_kept(path: Path) -> str:
-    """'the results of N requests' for a results.jsonl an interrupted run leaves, '' for none."""
-    if not path.exists():
+def _results_kept(run_dir: Path) -> str:
+    """What an interrupted run leaves in results.jsonl, in words ('' for nothing)."""
+    from job.results import NAME, ResultLog
+
+    if not (run_dir / NAME).exists():
         return ""
-    rows = [line for line in path.read_text().splitlines() if line.strip()]
-    return f"the results of {len(rows)} request{'s' * (len(rows) != 1)}" if rows else ""
+    with ResultLog(run_dir) as results:
+        answered, failed = results.counts()
+    if not answered + failed:
+        return ""
+    failures = f" and {failed} failure{'s' * (failed != 1)}" if failed else ""
+    return f"{answered} answer{'s' * (answered != 1)}{failures}"
+
+
+def _record_error(run_dir: Path, error) -> None:
+    """A failure's traceback, appended to error.txt (a run of several may hold other requests' already)."""
+    with open(run_dir / "error.txt", "a") as f:
+        f.write(f"== {error}\n\n{error.traceback_text}\n")
 
 
 def _check_openmp(cfg: DictConfig) -> None:
@@ -130,7 +142,7 @@ def _evaluate(cfg: DictConfig, run_dir: Path) -> float:
         print(f"reelflow: {e}", file=sys.stderr)
         sys.exit(2)
     except StageFailed as e:
-        (run_dir / "error.txt").write_text(f"{e}\n\n{e.traceback_text}")
+        _record_error(run_dir, e)
         print(f"reelflow: run failed: {e}\n  (traceback in {run_dir / 'error.txt'})", file=sys.stderr)
         sys.exit(1)
     except RequestsFailed as e:           # cluster=ray: a request without an answer (each job's run dir says why)

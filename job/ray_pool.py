@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from graph.spec import ConfigError
-from job.results import RequestsFailed, ResultLog, prepare_run_dir, request_ids
+from job.results import ResultLog, outcome, request_ids
 
 log = logging.getLogger(__name__)
 
@@ -222,8 +222,7 @@ def run_on_ray(cfg: DictConfig, requests: list[Any], run_dir: Path, spec, plan) 
     except ImportError:
         raise ConfigError("cluster=ray needs Ray. Fix: pip install -e '.[cluster]' (or cluster=local)") from None
     cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
-    run_dir = Path(run_dir)
-    prepare_run_dir(cluster, run_dir)
+    run_dir = Path(run_dir)                 # made ready by run_job (job.results.prepare_run_dir)
     ids = request_ids(requests)
     with ResultLog(run_dir) as results:
         results.check_requests(ids)
@@ -232,18 +231,12 @@ def run_on_ray(cfg: DictConfig, requests: list[Any], run_dir: Path, spec, plan) 
             log.info("resume: %d of %d requests have results; running %d", len(requests) - len(todo), len(requests),
                      len(todo))
         stats = _serve(cfg, cluster, requests, ids, todo, results) if todo else {}
-        rows = [results.rows.get(i) for i in range(len(requests))]
-    ok = [r for r in rows if r and r["status"] == "ok"]
-    failed = [{"request": r["request"], "error": r["error"], "attempts": r.get("attempts", 1)}
-              for r in rows if r and r["status"] != "ok"]
-    if not ok:
-        raise RequestsFailed(f"every request failed; the first: {failed[0]['request']}: {failed[0]['error']}"
-                                 if failed else "no request ran")
+        rows = dict(results.rows)
+    per_run, failed = outcome(rows, len(requests))
     if stats.get("trace") and not (run_dir / "trace.json").exists():
         calls, t_start, metrics = stats.pop("trace")
         write_trace_files(cfg, run_dir, spec, plan, calls, t_start, metrics)
     stats.pop("trace", None)
-    per_run = [r["metrics"] for r in ok]
     setup = [w["setup_s"] for w in stats.get("workers", []) if w]
     return write_metrics(cfg, run_dir, plan, per_run, setup_s=setup[0] if setup else 0.0,
                          warmup=int((cfg.get("executor") or {}).get("warmup", 0)),

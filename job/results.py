@@ -9,6 +9,11 @@ One process (the driver) writes it. Each line goes out in a single append and is
 next request is counted as done, so after a crash the file holds whole lines and at most one torn
 last line, which `ResultLog` drops (and cuts off) when it opens the file again. The latest line of
 an index wins: a request that failed and was run again on resume has its new row.
+
+Beside it, results.config.json holds a fingerprint of the configuration that wrote the rows (the
+resolved config, less where and how it runs: `cluster`, `executor.progress`) and the command's
+overrides: a resume with another configuration is refused, whatever Hydra has since written into
+the run dir's .hydra/.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 NAME = "results.jsonl"
+CONFIG = "results.config.json"                # what configuration the rows are of
 ERRORS = "error.txt"                          # the failed requests' tracebacks, one after another
-CARRIED = ("trace.json", "timeline.png")      # the first run's trace, carried over on resume
+CARRIED = ("trace.json", "timeline.png", CONFIG)   # carried over when a resume adopts another dir's results
 
 
 class RequestsFailed(RuntimeError):
@@ -40,31 +46,78 @@ def request_ids(requests: list[Any]) -> list[str]:
     return ids
 
 
-def prepare_run_dir(cluster: dict, run_dir: Path) -> None:
-    """resume: continue this run dir's results, or adopt the latest same-command run's; otherwise a
-    run dir that already holds results is refused (nothing is overwritten)."""
-    here = (Path(run_dir) / NAME).exists()
-    if not cluster.get("resume"):
-        if here:
-            from graph.spec import ConfigError
+def config_fingerprint(cfg) -> str:
+    """What makes a run's results what they are: the resolved config without `cluster` (where the
+    requests run, whether they resume) and `executor.progress`, hashed."""
+    import hashlib
 
-            raise ConfigError(f"{Path(run_dir) / NAME} exists: this run dir has results. Fix: cluster.resume=true to "
-                              "go on from them, or another run dir")
-        return
-    if here:
-        return
+    from omegaconf import OmegaConf
+
+    container = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else dict(cfg)
+    container.pop("cluster", None)
+    container.pop("hydra", None)
+    if isinstance(container.get("executor"), dict):
+        container["executor"] = {k: v for k, v in container["executor"].items() if k != "progress"}
+    return hashlib.sha256(json.dumps(container, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _overrides() -> list[str] | None:
+    """This Hydra job's command-line overrides (None outside Hydra: a script)."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        overrides = list(HydraConfig.get().overrides.task)
-    except ValueError:                  # not under Hydra (a script): only this run dir counts
-        return
-    previous = find_resumable(run_dir, overrides)
-    if previous is None:
-        log.warning("cluster.resume=true: no earlier run of this command with results; starting afresh")
-        return
-    adopt(previous, run_dir)
-    log.info("resuming from %s", previous)
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:
+        return None
+
+
+def prepare_run_dir(cfg, run_dir: Path) -> None:
+    """Before anything is written: with `cluster.resume`, continue this run dir's results, or adopt
+    the latest same-command run's; without, a run dir that already holds results is refused
+    (nothing is overwritten). Results of another configuration are refused either way."""
+    from graph.spec import ConfigError
+
+    cluster = cfg.get("cluster") or {}
+    run_dir = Path(run_dir)
+    fingerprint, overrides = config_fingerprint(cfg), _overrides()
+    here = (run_dir / NAME).exists()
+    if here and not cluster.get("resume"):
+        raise ConfigError(f"{run_dir / NAME} exists: this run dir has results. Fix: cluster.resume=true to "
+                          "go on from them, or another run dir")
+    if cluster.get("resume") and not here and overrides is not None:
+        previous = find_resumable(run_dir, overrides, fingerprint)
+        if previous is None:
+            log.warning("cluster.resume=true: no earlier run of this command with results; starting afresh")
+        else:
+            adopt(previous, run_dir)
+            log.info("resuming from %s", previous)
+    recorded = _recorded(run_dir)
+    if recorded is not None and recorded.get("fingerprint") != fingerprint:
+        then = " ".join(recorded.get("overrides") or []) or "(no overrides recorded)"
+        now = " ".join(same_command(overrides or [])) or "(none)"
+        raise ConfigError(f"{run_dir / NAME} holds results of another configuration (its overrides: {then}; "
+                          f"this run's: {now}). Fix: the same command, or another run dir")
+    if recorded is None:
+        (run_dir / CONFIG).write_text(json.dumps(
+            {"fingerprint": fingerprint, "overrides": same_command(overrides) if overrides is not None else None}))
+
+
+def _recorded(run_dir: Path) -> dict | None:
+    path = Path(run_dir) / CONFIG
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def outcome(rows: dict[int, dict], n: int) -> tuple[list[dict], list[dict]]:
+    """The answered requests' metrics and the failed ones' {request, error, attempts}, in request
+    order, from the latest row of each of `n` requests; RequestsFailed when none was answered."""
+    ordered = [rows[i] for i in range(n) if rows.get(i)]
+    answered = [r["metrics"] for r in ordered if r["status"] == "ok"]
+    failed = [{"request": r["request"], "error": r["error"], "attempts": r.get("attempts", 1)}
+              for r in ordered if r["status"] != "ok"]
+    if not answered:
+        raise RequestsFailed(f"every request failed; the first: {failed[0]['request']}: {failed[0]['error']}"
+                             if failed else "no request ran")
+    return answered, failed
 
 
 class ResultLog:
@@ -114,6 +167,11 @@ class ResultLog:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def counts(self) -> tuple[int, int]:
+        """(requests answered, requests whose latest row is a failure)."""
+        answered = len(self.done())
+        return answered, len(self.rows) - answered
+
     def done(self) -> set[int]:
         """Indices with a result (failed ones are run again on resume)."""
         return {i for i, row in self.rows.items() if row.get("status") == "ok"}
@@ -145,9 +203,10 @@ def same_command(overrides: list[str]) -> list[str]:
     return sorted(o for o in overrides if not o.lstrip("+~").startswith(("cluster.resume=", "hydra.run.dir=")))
 
 
-def find_resumable(run_dir: Path, overrides: list[str]) -> Path | None:
+def find_resumable(run_dir: Path, overrides: list[str], fingerprint: str | None = None) -> Path | None:
     """The latest other run dir beside this one (Hydra's outputs/DATE/TIME_name layout) made by the
-    same command, with results to resume from."""
+    same command, with results to resume from: by the configuration its results record (a later
+    command may have rewritten its .hydra/), else by its .hydra/overrides.yaml."""
     run_dir = Path(run_dir).resolve()
     roots = {run_dir.parent, run_dir.parent.parent}
     want = same_command(overrides)
@@ -157,8 +216,13 @@ def find_resumable(run_dir: Path, overrides: list[str]) -> Path | None:
             candidate = path.parent.resolve()
             if candidate == run_dir:
                 continue
-            theirs = task_overrides(candidate)
-            if theirs is not None and same_command(theirs) == want:
+            recorded = _recorded(candidate)
+            if recorded is not None and fingerprint is not None:
+                same = recorded.get("fingerprint") == fingerprint
+            else:
+                theirs = task_overrides(candidate)
+                same = theirs is not None and same_command(theirs) == want
+            if same:
                 found.append((path.stat().st_mtime, candidate))
     return max(found)[1] if found else None
 

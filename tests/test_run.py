@@ -329,7 +329,7 @@ def test_ctrl_c_keeps_the_finished_requests_results_and_resume_goes_on_from_them
     assert proc.returncode == 130, err
     kept = results.read_text().splitlines()
     assert len(kept) >= 2 and all(json.loads(line)["status"] == "ok" for line in kept)
-    assert f"the results of {len(kept)} requests kept in {results}" in err and "Traceback" not in err
+    assert f"{len(kept)} answers kept in {results}" in err and "Traceback" not in err
     assert not (run_dir / "metrics.json").exists()
     # resuming needs only the requests without a result: cut the folder to the first few
     for video in sorted(folder.iterdir())[len(kept) + 1:]:

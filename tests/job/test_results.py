@@ -7,9 +7,20 @@ import json
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from graph.spec import ConfigError
-from job.results import NAME, ResultLog, adopt, find_resumable, prepare_run_dir
+from job.results import (
+    CONFIG,
+    NAME,
+    RequestsFailed,
+    ResultLog,
+    adopt,
+    config_fingerprint,
+    find_resumable,
+    outcome,
+    prepare_run_dir,
+)
 
 
 def row(i, status="ok", request=None):
@@ -63,7 +74,33 @@ def test_resume_finds_the_latest_run_of_the_same_command(tmp_path):
 
 
 def test_a_run_dir_with_results_is_not_overwritten_without_resume(tmp_path):
+    cfg = OmegaConf.create({"model": {"target": {"path": "a"}}, "cluster": {"resume": False}})
     (tmp_path / NAME).write_text(json.dumps(row(0)) + "\n")
     with pytest.raises(ConfigError, match="cluster.resume=true"):
-        prepare_run_dir({"resume": False}, tmp_path)
-    prepare_run_dir({"resume": True}, tmp_path)        # goes on from them
+        prepare_run_dir(cfg, tmp_path)
+    cfg.cluster.resume = True
+    prepare_run_dir(cfg, tmp_path)                     # goes on from them, and records their configuration
+    assert json.loads((tmp_path / CONFIG).read_text())["fingerprint"] == config_fingerprint(cfg)
+
+
+def test_results_of_another_configuration_are_not_resumed(tmp_path):
+    """The configuration is what the results record, whatever Hydra has since written into .hydra/:
+    where and how the requests run (cluster, the progress bar) may change, nothing else."""
+    cfg = OmegaConf.create({"model": {"target": {"path": "a"}}, "executor": {"progress": True},
+                            "cluster": {"kind": "local", "resume": True}})
+    prepare_run_dir(cfg, tmp_path)
+    (tmp_path / NAME).write_text(json.dumps(row(0)) + "\n")
+    moved = OmegaConf.merge(cfg, {"executor": {"progress": False}, "cluster": {"kind": "ray", "workers": 4}})
+    prepare_run_dir(moved, tmp_path)
+    other = OmegaConf.merge(cfg, {"model": {"target": {"path": "b"}}})
+    with pytest.raises(ConfigError, match="holds results of another configuration"):
+        prepare_run_dir(other, tmp_path)
+
+
+def test_the_outcome_is_in_request_order_and_none_answered_is_an_error():
+    rows = {1: {**row(1), "metrics": {"wall_s": 1}}, 0: {"index": 0, "request": "r0", "status": "failed",
+                                                        "error": "bad file"}}
+    answered, failed = outcome(rows, 3)
+    assert answered == [{"wall_s": 1}] and failed == [{"request": "r0", "error": "bad file", "attempts": 1}]
+    with pytest.raises(RequestsFailed, match="every request failed; the first: r0: bad file"):
+        outcome({0: rows[0]}, 1)
