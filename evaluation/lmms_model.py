@@ -80,6 +80,11 @@ class Reelflow(lmms):
 
         start, in_jobs = time.perf_counter(), 0.0
         rows = [self._row(req.args) for req in requests]
+        seen: dict[str, int] = {}
+        for row in rows:      # lmms-eval repeats a request (its `repeats`, a rank's padding): each is its own
+            seen[row["id"]] = seen.get(row["id"], 0) + 1
+            if seen[row["id"]] > 1:
+                row["id"] = f"{row['id']}#{seen[row['id']] - 1}"
         in_tasks = sum(row["visual_s"] for row in rows)    # the task's own doc_to_visual (may make the video)
         answers: list[GenerationResult | None] = [None] * len(rows)
         groups: dict[tuple, list[int]] = {}
