@@ -101,8 +101,11 @@ def collect(sweep_dir: Path) -> tuple[list[dict], list[str], dict]:
             spec = cfg.get("report") or {}
         metrics_file, err = job / "metrics.json", job / "error.txt"
         try:
-            row.update(_flatten(json.loads(metrics_file.read_text())))
+            metrics = json.loads(metrics_file.read_text())
+            row.update(_flatten(metrics))
             row["status"] = "ok"
+            # a job of several requests goes on past a failed one: its means are over fewer requests
+            row["failed_requests"] = len(metrics.get("failed") or [])
         except FileNotFoundError:
             first = (err.read_text().splitlines() or ["(empty error.txt)"])[0] if err.is_file() else "no metrics.json"
             row["status"] = "failed: " + first[:120]
@@ -441,6 +444,8 @@ def write_report(sweep_dir: str | Path) -> dict[str, Path]:
     check_names(rows, spec, columns, functions)
     if any(r["status"] != "ok" for r in rows):
         columns = columns + ["status"]
+    if any(r.get("failed_requests") for r in rows):
+        columns = columns + ["failed_requests"]
     out = {"md": sweep_dir / "report.md", "csv": sweep_dir / "report.csv", "png": sweep_dir / "report.png"}
     title = f"# report: {sweep_dir.name}\n\n{len(rows)} jobs; swept: {', '.join(swept) or 'nothing'}\n\n"
     shown = rows

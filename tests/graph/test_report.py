@@ -185,6 +185,18 @@ def test_failed_job_without_error_txt(tmp_path):
     assert rows[1][-1] == "failed: no metrics.json"
 
 
+def test_a_job_whose_requests_partly_failed_says_how_many(tmp_path):
+    """A job of several requests goes on past a failed one; its means are over fewer requests, and
+    the table says so beside them."""
+    d = tmp_path / "sweep"
+    make_job(d, "0", ["graph=demo"], metrics(1.0))
+    make_job(d, "1", ["graph=big"], {**metrics(2.0), "failed": [{"request": "v3", "error": "bad file", "attempts": 1}]})
+    write_report(d)
+    header, rows = md_table((d / "report.md").read_text())
+    assert header[-1] == "failed_requests" and "status" not in header
+    assert [r[-1] for r in rows] == ["0", "1"]
+
+
 def test_every_job_failed_still_writes_a_report(tmp_path):
     d = tmp_path / "sweep"
     make_job(d, "0", ["graph=demo"], error="ValueError: bad config\n")
