@@ -26,20 +26,22 @@ def matmul_probe(device, dtype) -> tuple[Callable[[], torch.Tensor], int]:
     return functools.partial(torch.matmul, a, b, out=out), 2 * side**3
 
 
+@functools.lru_cache(maxsize=None)
 def matrix_rate(device, dtype, seconds: float = 0.5, at_least: int = 10) -> float:
     """FLOP/s of the probe's product on `device` in `dtype`: the fastest of the products timed
     over `seconds` (and at least `at_least` of them) after an untimed one. The fastest is the most
     the device gave, so a share of it is not flattered by a slow probe, and half a second of them
     outlasts a moment of other work (a worker process starting beside a CPU probe). On a CPU the
-    device is every core this process may use: the products run on that many torch threads,
-    whatever the calling worker's own count (restored after), so a stage's share says how much of
-    the machine its arithmetic used."""
+    device is every core the calling thread may use (a pinned worker's own): the products run on
+    that many torch threads, whatever the worker's own count (restored after), so a stage's share
+    says how much of those cores its arithmetic used. Timed once a process for each device and
+    dtype: every executor a job builds reads the same yardstick."""
     run, flops = matmul_probe(device, dtype)
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     threads = torch.get_num_threads()
     if not cuda:
-        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        torch.set_num_threads(_usable_cores())
     try:
         run()
         sync()
@@ -52,3 +54,11 @@ def matrix_rate(device, dtype, seconds: float = 0.5, at_least: int = 10) -> floa
     finally:
         torch.set_num_threads(threads)
     return flops / best
+
+
+def _usable_cores() -> int:
+    """Cores the calling thread may run on (every core where the platform cannot say)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:          # macOS, Windows
+        return os.cpu_count() or 1

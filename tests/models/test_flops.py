@@ -68,11 +68,20 @@ def test_a_prefill_does_the_forward_flops_of_its_tokens(name, request):
     assert lm.forward_flops(40, 25) - done == 39 * 2 * lm.lm_head.weight.numel()      # the head on every token
 
 
-def test_causal_counts_leave_out_the_masked_half_of_the_new_square(qwen):
-    cfg = qwen.text_config
-    per_pair = qwen.n_layers * cfg.num_attention_heads * 2 * (cfg.hidden_size // cfg.num_attention_heads) * 2
-    masked = 40 * 39 // 2                                  # pairs (i, j) of new tokens with j > i
-    assert qwen.forward_flops(40, 25) - qwen.forward_flops(40, 25, causal=True) == masked * per_pair
-    assert qwen.forward_flops(1, 25, causal=True) == qwen.forward_flops(1, 25)      # one token sees all
+def test_a_causal_prefill_counts_what_the_same_tokens_cost_one_at_a_time(qwen):
+    """New token i of a causal prefill sees the cache and the new tokens up to itself: the very
+    keys it sees when the tokens go in one at a time, where no key is masked and torch counts the
+    arithmetic itself. So the causal count of 40 tokens (each scored) is torch's count of 40 steps."""
+    ids = torch.arange(65) % (qwen.vocab_size - 10) + 5
+    positions = torch.arange(65)[None].expand(3, -1)
+    cache = qwen.new_cache()
+    qwen.prefill(cache, qwen.embed(ids[:25]), positions[:, :25], logits="none")
+
+    def one_at_a_time():
+        for i in range(25, 65):
+            qwen.prefill(cache, qwen.embed(ids[i:i + 1]), positions[:, i:i + 1], logits="last")
+
+    assert counted(one_at_a_time) == qwen.forward_flops(40, 25, causal=True, logits=40)
+    assert qwen.forward_flops(40, 25, causal=True) < qwen.forward_flops(40, 25)      # the masked pairs left out
     # linear in the cache's length: a mean length over the layers is exact
     assert qwen.forward_flops(40, 12.5) * 2 == qwen.forward_flops(40, 0) + qwen.forward_flops(40, 25)
