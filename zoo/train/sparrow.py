@@ -47,7 +47,7 @@ from models.decoding import greedy_answer
 from models.load import resolve
 from models.sparrow import SparrowConfig, SparrowHead
 from zoo import WEIGHTS
-from zoo.shapes import FPS, SHAPES
+from zoo.shapes import FPS
 from zoo.train import loop
 from zoo.train.config import LoopConfig, parse_flat
 from zoo.train.data import example
@@ -288,8 +288,8 @@ class SparrowRecipe(TargetRecipe, loop.Recipe):
         return copy.deepcopy(self.head).to(self.lm.dtype)
 
     def default_out(self) -> Path:
-        # a zoo target (`train` asks for train.out otherwise), whose architecture its name says
-        arch = SHAPES[Path(resolve(self.config.target)).name][0]
+        # a zoo target (`train` asks for train.out otherwise), before it loads: its config names its family
+        arch = json.loads((Path(resolve(self.config.target)) / "config.json").read_text())["model_type"]
         family = "qwen" if arch == "qwen2_5_vl" else "llava"
         return WEIGHTS / (self.config.out_name or f"{family}-sparrow")
 
