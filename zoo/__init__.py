@@ -4,4 +4,6 @@ downloaded. The world (`world`, `videos`, `captions`), the tokenizer, the zoo's 
 
 from pathlib import Path
 
+import models  # noqa: F401  (first: hides a torchvision that cannot load from transformers, which this package uses)
+
 WEIGHTS = Path(__file__).resolve().parent / "weights"   # the shipped checkpoints, one directory each
