@@ -129,14 +129,18 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     query [b, h, q, d]; key, value [b, kv_h, k, d]. -> [b, q, h, d]."""
     from torch.nn.attention.bias import causal_lower_right
 
-    group = query.shape[1] // key.shape[1]
-    if group > 1:     # heads grouped as transformers' repeat_kv lays them out
-        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
     q, k = query.shape[2], key.shape[2]
-    if q == k:
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q, k),
+    bias = None if q == k else causal_lower_right(q, k)
+    # grouped heads (as transformers' repeat_kv lays them out) read their shared keys and values in
+    # place: a group prefill would otherwise copy the whole cache, heads-per-group times, every layer
+    grouped = query.shape[1] != key.shape[1]
+    try:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=bias, is_causal=bias is None,
+                                                               scale=scaling, enable_gqa=grouped)
+    except TypeError:   # a torch whose causal bias takes no enable_gqa: the heads' copies, as transformers makes them
+        group = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=bias, is_causal=bias is None,
                                                                scale=scaling)
     return out.transpose(1, 2)
 
