@@ -12,7 +12,10 @@ go), and any other key is a Hydra override (`model.target.compile=auto`, `cluste
 
 Every request of a generation setting runs through reelflow's own job runner in one job (the
 models load once; the same graph, plan.txt, metrics.json and traces as `python -m run`), with the
-task's `max_new_tokens` and temperature. Each answer comes back as lmms-eval's GenerationResult;
+task's `max_new_tokens` and temperature. A doc whose video cannot be read, or whose run fails, is
+answered with an empty string, as lmms-eval's own video models answer a video they cannot load: it
+scores as wrong, its error is logged and listed under `failed` in `speed.json`, and the
+evaluation goes on. Each answer comes back as lmms-eval's GenerationResult;
 its token counts carry reelflow's speed for that answer (evaluation.speed: TTFT, decode tokens per
 second, wall time, M and acceptance where they apply, and the backend's own cost), so
 `--log_samples` writes them beside every answer, and their medians and p90s go to lmms-eval's
@@ -22,6 +25,7 @@ throughput summary and to `speed.json` in the run dir.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,10 +38,12 @@ from omegaconf import open_dict
 
 from evaluation.config import check_graph, compose_config
 from evaluation.speed import flat, sample_speed, summary
+from job.results import RequestsFailed
 
 ROOT = Path(__file__).resolve().parent.parent
 # lmms-eval passes these to every model; reelflow's resources config decides devices and batching
 LMMS_EVAL_KEYS = ("batch_size", "max_batch_size", "device")
+log = logging.getLogger("reelflow.evaluation")
 
 
 def manifest() -> ModelManifest:
@@ -71,6 +77,8 @@ class Reelflow(lmms):
         stamp = time.strftime("%Y-%m-%d/%H-%M-%S")
         self.run_dir = Path(run_dir) if run_dir else ROOT / "outputs" / "lmms_eval" / f"{stamp}_{experiment}"
         self.records: list[dict] = []       # one speed record per answer, in request order
+        self.failures: list[dict] = []      # the docs without an answer: {task, doc_id, error}
+        self.calls = 0                      # generate_until calls: each writes a run dir of its own
 
     # ------------------------------------------------------------------------- answering
 
@@ -91,17 +99,30 @@ class Reelflow(lmms):
         for i, row in enumerate(rows):
             groups.setdefault(row["setting"], []).append(i)
         runs: dict[int, dict] = {}
+        errors: dict[int, str] = {}
+        base = self.run_dir if not self.calls else self.run_dir / f"call-{self.calls}"
+        self.calls += 1
         for g, (setting, members) in enumerate(groups.items()):
             cfg = self._cfg_for(setting)
-            run_dir = self.run_dir if len(groups) == 1 else self.run_dir / f"setting-{g}"
+            run_dir = base if len(groups) == 1 else base / f"setting-{g}"
             run_dir.mkdir(parents=True, exist_ok=True)
             batch = [Request(id=rows[i]["id"], video=rows[i]["video"], prompt=rows[i]["prompt"]) for i in members]
             t0 = time.perf_counter()
-            metrics = run_job(cfg, batch, run_dir, each=False)     # every answer, in order, or the error
+            try:
+                run_job(cfg, batch, run_dir, each=True)     # each answer its own: a bad video fails alone
+            except RequestsFailed:
+                pass                                        # every doc of this setting failed: each is named below
             in_jobs += time.perf_counter() - t0
-            runs.update(_by_member(metrics, members, [rows[i]["id"] for i in members], run_dir))
+            found, failed = _by_member(run_dir, members, [rows[i]["id"] for i in members])
+            runs.update(found)
+            errors.update(failed)
         plugin_s = (time.perf_counter() - start - in_jobs - in_tasks) / max(1, len(rows))
         for i, row in enumerate(rows):
+            if i in errors:
+                log.error("reelflow: %s doc %s has no answer (answered ''): %s", row["task"], row["doc_id"], errors[i])
+                self.failures.append({"task": row["task"], "doc_id": row["doc_id"], "error": errors[i]})
+                answers[i] = GenerationResult("", SpeedCounts(output_tokens=0, speed={"failed": errors[i]}))
+                continue
             run = runs[i]
             text = _cut(run.get("output_text") or "", row["until"])
             speed = sample_speed(run, method=self.method, plugin_s=plugin_s)
@@ -149,11 +170,12 @@ class Reelflow(lmms):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "speed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in self.records))
         (self.run_dir / "speed.json").write_text(json.dumps({"method": self.method, "answers": len(self.records),
-                                                             **stats}, indent=1))
+                                                             **stats, "failed": self.failures}, indent=1))
         wall = sum(r["wall_s"] or 0 for r in self.records)
         tokens = sum(r["n_generated"] or 0 for r in self.records)
         log_metrics(total_elapsed_time=wall, total_gen_tokens=tokens, avg_speed=tokens / wall if wall else 0.0,
-                    additional_metrics={**flat(stats), "total_requests": len(self.records)})
+                    additional_metrics={**flat(stats), "total_requests": len(self.records),
+                                        "failed_requests": len(self.failures)})
 
     # ------------------------------------------------------------------------- what a graph cannot do
 
@@ -176,18 +198,18 @@ def _cut(text: str, until: list[str]) -> str:
     return text
 
 
-def _by_member(metrics: dict, members: list[int], ids: list[str], run_dir: Path) -> dict[int, dict]:
-    """Each member's own run, found by its request id (a run of several lists only the requests it
-    answered, in order, so a place in that list is not a member); a member without one is an error
-    naming it, not an answer taken from a neighbour."""
-    from job.results import RequestsFailed
+def _by_member(run_dir: Path, members: list[int], ids: list[str]) -> tuple[dict[int, dict], dict[int, str]]:
+    """Each member's own run from the job's results.jsonl, found by its request id (never by its
+    place among the answered ones), or its error: ({member: metrics}, {member: error})."""
+    from job.results import ResultLog
 
-    if not metrics.get("runs") and len(members) == 1:     # one request: its figures are the metrics' own
-        return {members[0]: metrics}
-    by_id = {run.get("request"): run for run in metrics.get("runs") or []}
-    errors = {f["request"]: f["error"] for f in metrics.get("failed") or []}
-    missing = [request for request in ids if request not in by_id]
-    if missing:
-        raise RequestsFailed(f"{len(missing)} of {len(ids)} requests have no answer, the first {missing[0]}: "
-                             f"{errors.get(missing[0], 'no result')} (the rest are in {run_dir})")
-    return {i: by_id[request] for i, request in zip(members, ids)}
+    with ResultLog(run_dir) as results:
+        by_id = {row["request"]: row for row in results.rows.values()}
+    runs, errors = {}, {}
+    for member, request in zip(members, ids):
+        row = by_id.get(request)
+        if row is not None and row["status"] == "ok":
+            runs[member] = row["metrics"]
+        else:
+            errors[member] = row["error"] if row is not None else "no result"
+    return runs, errors

@@ -160,17 +160,28 @@ def test_log_likelihood_names_what_to_use_instead():
         lm.loglikelihood([])
 
 
-def test_each_answer_goes_to_its_own_doc_and_a_missing_one_is_an_error_not_a_neighbours():
-    """A run of several lists only the requests it answered (Ray records a failed one and goes on):
-    answers are matched to docs by request id, never by place in that list."""
-    from evaluation.lmms_model import _by_member
-    from job.results import RequestsFailed
+def test_a_doc_whose_video_cannot_be_read_is_answered_empty_and_the_others_as_reelflow_answers(tmp_path):
+    """Three docs, the middle one's video cut short: its answer is '' (scored as wrong, its error in
+    speed.json), the others are matched to their own runs (by request id, not by place among the
+    answered ones) and are what `python -m run` answers for their videos."""
+    from collections import namedtuple
 
-    runs = [{"request": "t/2", "output_text": "two"}, {"request": "t/0", "output_text": "zero"}]
-    got = _by_member({"runs": runs}, [7, 9], ["t/0", "t/2"], Path("run"))
-    assert {i: r["output_text"] for i, r in got.items()} == {7: "zero", 9: "two"}
-    failed = {"runs": runs[:1], "failed": [{"request": "t/0", "error": "not a video file", "attempts": 1}]}
-    with pytest.raises(RequestsFailed, match=r"1 of 2 requests have no answer, the first t/0: not a video file"):
-        _by_member(failed, [7, 9], ["t/0", "t/2"], Path("run"))
-    single = {"output_text": "alone"}                    # one request: the metrics are its own
-    assert _by_member(single, [3], ["t/5"], Path("run")) == {3: single}
+    from evaluation.lmms_model import Reelflow
+
+    good = ROOT / "zoo" / "sample" / "toy-30s.mp4"
+    bad = tmp_path / "bad.mp4"
+    bad.write_bytes(good.read_bytes()[:20000])
+    lm = Reelflow.create_from_arg_string(f"experiment=ar,model=toy_qwen,run_dir={tmp_path / 'rf'}")
+    lm.task_dict = {"t": {"test": {0: {"v": str(good)}, 1: {"v": str(bad)}, 2: {"v": str(good)}}}}
+    request = namedtuple("request", "args")
+    asks = [request(("describe the video .", {"max_new_tokens": 12, "until": []}, lambda doc: [doc["v"]], doc, "t",
+                     "test")) for doc in (0, 1, 2)]
+    answers = lm.generate_until(asks)
+    assert answers[1].text == "" and answers[0].text == answers[2].text != ""
+    assert "not a video file FFmpeg can read" in answers[1].token_counts.speed["failed"]
+    speed = json.loads((tmp_path / "rf" / "speed.json").read_text())
+    assert speed["answers"] == 2 and [f["doc_id"] for f in speed["failed"]] == [1]
+    cli = _run("-m", "run", "data.path=zoo/sample/toy-30s.mp4", "graph.max_new_tokens=12",
+               f"hydra.run.dir={tmp_path / 'cli'}")
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    assert json.loads((tmp_path / "cli" / "metrics.json").read_text())["output_text"] == answers[0].text
