@@ -225,15 +225,18 @@ def sparrow_costs(lm, cache, layout, token: int, position: int, repeats: int, *,
     return {"shape": f"{total}-{depth}-{topk}", "text_tokens": text, **timed}
 
 
-PATHS = ("forward", "lean", "compiled", "cudagraph", "reduce-overhead")
+PATHS = ("forward", "lean", "compiled", "cudagraph", "reduce-overhead", "cudagraph+packed", "reduce-overhead+packed")
 
 
 @contextlib.contextmanager
 def decode_path(lm, path: str):
     """Score through `path` inside the block: "forward" (the model's own), "lean" (models.lean,
     eager), "compiled" (its step through inductor), "cudagraph" or "reduce-overhead" (captured as
-    CUDA graphs, eager or inductor's kernels: models.captured_step). A compiled or captured step
-    is built and warmed on first use and kept on the model for the next context."""
+    CUDA graphs, eager or inductor's kernels: models.captured_step), each of those two with
+    "+packed": over packed copies of the layers' weights (models.packing: q, k and v in one
+    product, gate and up in one; the copies take the layers' memory again, made once a model).
+    A compiled or captured step is built and warmed on first use and kept on the model for the
+    next context."""
     if path not in PATHS:
         raise ValueError(f"decode path {path!r}: one of {', '.join(PATHS)}")
     saved, saved_step, saved_mode = lm.lean, lm.lean.step if lm.lean is not None else None, lm.compile
@@ -242,14 +245,21 @@ def decode_path(lm, path: str):
     if path == "forward":
         lm.lean = None
     elif path != "lean":
+        from models.captured_step import CapturedStep
+        from models.packing import packed_layers
         from models.steps import build_step
 
-        mode = "default" if path == "compiled" else path
+        mode = "default" if path == "compiled" else path.removesuffix("+packed")
         steps = lm.__dict__.setdefault("_bench_steps", {})
-        if mode not in steps:
-            steps[mode] = build_step(lm.lean, mode)
-            steps[mode].warm(lm.device, lm.dtype, name=lm.name)
-        lm.lean.step, lm.compile = steps[mode], mode
+        if path not in steps:
+            if path.endswith("+packed"):
+                if "_bench_packed" not in lm.__dict__:
+                    lm._bench_packed = packed_layers(lm.text)
+                steps[path] = CapturedStep(lm.lean, mode, packed=lm._bench_packed)
+            else:
+                steps[path] = build_step(lm.lean, mode)
+            steps[path].warm(lm.device, lm.dtype, name=f"{lm.name} ({path})")
+        lm.lean.step, lm.compile = steps[path], mode
     try:
         yield
     finally:

@@ -17,11 +17,13 @@
 #              replayed against EAGLE-2 node by node and the eager head) and tests/models/test_captured_step.py:
 #              CUDA graphs against the eager lean path in bf16 (toy target and random 7B), printing near
 #              ties and the largest logit difference;
-#   anatomy    bench.step_anatomy on the 7B shape at 8K and 32K: the step's parts (weight products,
-#              attention by path, norms) each captured alone, against the whole captured step and the floor;
-#   realsize   bench_realsize on the Qwen2.5-VL-7B shape at 8K and 32K video tokens: the step by
-#              captured path (eager operations, inductor's kernels) against its floor and
-#              transformers' static cache + torch.compile, verifications and Sparrow's round;
+#   anatomy    bench.step_anatomy on the 7B shape at 8K and 32K: the step's parts (weight products as loaded
+#              and packed, attention by path, norms) each captured alone, against the whole captured step
+#              (eager operations, inductor's kernels, inductor's over packed weights) and the floor;
+#   realsize   bench_realsize on the Qwen2.5-VL-7B shape at 8K and 32K video tokens: the captured step
+#              (inductor's kernels, over the weights as loaded and packed: q, k, v in one product, gate and
+#              up in one) against its floor and transformers' static cache + torch.compile, verifications
+#              and Sparrow's round (on the packed path);
 #   toy        bench_sparrow on the GPU with captured steps: ar, sparrow, vanilla_sd, parallelvlm;
 #   figure5    QuickVideo's Figure 5 at real size (bench_quickvideo_gpu, ~5 min on an H100), with the
 #              vision tower's and the group prefill's FLOPs as shares of the card's bf16 matrix rate
@@ -76,7 +78,7 @@ part anatomy 100 python3 -m bench.step_anatomy random:qwen2.5-vl-7b --contexts 8
 
 tmp=$(mktemp -d)
 part realsize 300 python3 -m bench.bench_realsize --models random:qwen2.5-vl-7b --contexts 8192 32768 \
-    --paths cudagraph reduce-overhead --sparrow --peer --steps 32 --repeats 2 --out "$tmp/realsize"
+    --paths reduce-overhead reduce-overhead+packed --sparrow --peer --steps 32 --repeats 2 --out "$tmp/realsize"
 [ -f "$tmp/realsize/results.json" ] && cp "$tmp/realsize/results.json" "$OUT/realsize.json"
 [ -f "$tmp/realsize/table.md" ] && cp "$tmp/realsize/table.md" "$OUT/realsize.md"
 [ -f "$tmp/realsize/profile.md" ] && cp "$tmp/realsize/profile.md" "$OUT/profile.md"

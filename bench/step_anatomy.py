@@ -4,14 +4,19 @@ runs it (once per layer), against the whole captured step and the step's memory 
     python -m bench.step_anatomy random:qwen2.5-vl-7b --contexts 8192 32768
 
 For each context (random embeddings prefilled to that many cached entries):
-- the layers' weight products alone (q, k, v, o, gate, up, down) for 1, 4 and 16 rows, and the LM head;
+- the layers' weight products alone for 1, 4 and 16 rows: as loaded (q, k, v, o, gate, up, down,
+  seven a layer) and packed (models.packing: q, k and v in one, gate and up in one, five a layer),
+  and the LM head;
 - attention over the cache per layer: the prefix-attention kernel's path (models.prefix_attention,
   what captured steps run) and split attention (two matrix products, what compiled CPU steps run)
   for 1, 16 and 32 new tokens, beside SDPA over the held keys (a fused kernel, but one that returns
   no log-sum-exp and reads no buffer with spare room: a reference, not a drop-in);
 - RMSNorm, eager, as many times as the step applies it;
-- the captured step in each mode (models.captured_step): its graph's replay alone, and with the LM
-  head, argmax and the host's work around it on the host clock (what a generated token costs).
+- the captured step in each mode (models.captured_step; "+packed": over the packed copies): its
+  graph's replay alone, and with the LM head, argmax and the host's work around it on the host
+  clock (what a generated token costs).
+
+The packed copies take the decoder layers' memory again (13 GB for the 7B shape).
 
 On CUDA each part is captured as one CUDA graph and timed by replays with device events (launch
 gaps left out: what remains is the kernels); on the CPU parts are timed by plain calls. The floor
@@ -32,9 +37,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from models.captured_step import CapturedStep
 from models.compiled_step import split_attention
 from models.lean import rms_norm
 from models.load import load_model
+from models.packing import mlp_products, o_product, packed_layers, qkv_products
 from models.prefix_attention import KERNEL, held_attention
 from models.steps import build_step
 
@@ -101,6 +108,15 @@ def products(lean, x: torch.Tensor):
     return h
 
 
+def packed_products(packed: list, x: torch.Tensor):
+    """products() over packed layers (models.packing.PackedLayer): five products a layer."""
+    h = x
+    for p in packed:
+        q, k, v = qkv_products(h, p)
+        h = mlp_products(o_product(q, p), p) + (k.sum() + v.sum()) * 0
+    return h
+
+
 def attention_parts(lm, cache, context: int, g: torch.Generator) -> list[tuple[str, float]]:
     """Per-layer attention over the cache's buffers, every layer, for 1, 16 and 32 new tokens."""
     lean, device, rows = lm.lean, lm.device, []
@@ -127,13 +143,16 @@ def attention_parts(lm, cache, context: int, g: torch.Generator) -> list[tuple[s
     return rows
 
 
-def step_parts(lm, cache, context: int, steps: dict, modes) -> list[tuple[str, float]]:
-    """The captured step in each mode: its graph's replay, and a whole token on the host clock."""
+def step_parts(lm, cache, context: int, steps: dict, modes, packed) -> list[tuple[str, float]]:
+    """The captured step in each mode (a mode "+packed" over `packed`, the layers' packed copies):
+    its graph's replay, and a whole token on the host clock."""
     lean, rows = lm.lean, []
     embeds, position = lm.embed(torch.tensor([5])), torch.tensor([context + 10])
     for mode in modes:
         if mode not in steps:
-            steps[mode] = build_step(lean, mode)
+            base = mode.removesuffix("+packed")
+            steps[mode] = (CapturedStep(lean, base, packed=packed) if mode.endswith("+packed")
+                           else build_step(lean, mode))
             steps[mode].warm(lm.device, lm.dtype, name="anatomy")
         lean.step = steps[mode]
         try:
@@ -155,8 +174,9 @@ def step_parts(lm, cache, context: int, steps: dict, modes) -> list[tuple[str, f
 
 
 @torch.inference_mode()
-def anatomy(lm, context: int, bandwidth: float, steps: dict, modes) -> tuple[str, list[tuple[str, float]]]:
-    """(title, [(part, ms)]) for one context; the first row is the floor."""
+def anatomy(lm, context: int, bandwidth: float, steps: dict, modes, packed) -> tuple[str, list[tuple[str, float]]]:
+    """(title, [(part, ms)]) for one context; the first row is the floor. packed: the layers'
+    packed copies (models.packing), or None to leave the packed rows out."""
     g = torch.Generator().manual_seed(context)
     cache = lm.new_cache()
     embeds = (torch.randn(context, lm.hidden_size, generator=g) * 0.02).to(lm.device, lm.dtype)
@@ -167,6 +187,9 @@ def anatomy(lm, context: int, bandwidth: float, steps: dict, modes) -> tuple[str
     for n in (1, 4, 16):
         x = (torch.randn(n, lm.hidden_size, generator=g) * 0.02).to(lm.device, lm.dtype)
         rows.append((f"the {layers} layers' weight products, {n} rows", device_ms(lambda: products(lm.lean, x))))
+        if packed is not None:
+            rows.append((f"the {layers} layers' weight products packed, {n} rows",
+                         device_ms(lambda: packed_products(packed, x))))
         rows.append((f"LM head, {n} rows", device_ms(lambda: lm.lm_head(x).float())))
     rows += attention_parts(lm, cache, context, g)
     x = torch.randn(1, lm.hidden_size, generator=g).to(lm.device, lm.dtype)
@@ -174,7 +197,7 @@ def anatomy(lm, context: int, bandwidth: float, steps: dict, modes) -> tuple[str
     rows.append((f"RMSNorm ×{2 * layers + 1}, eager",
                  device_ms(lambda: [rms_norm(x, norm, lm.lean.eps) for _ in range(2 * layers + 1)])))
     if torch.device(lm.device).type == "cuda":
-        rows += step_parts(lm, cache, context, steps, modes)
+        rows += step_parts(lm, cache, context, steps, modes, packed)
     title = (f"{lm.name}, {context} cached entries: weights {weights / 1e9:.2f} GB, cache {cached / 1e9:.3f} GB, "
              f"copy {bandwidth / 1e12:.2f} TB/s, attention backend {KERNEL['last'] or 'torch'}")
     return title, rows
@@ -193,18 +216,22 @@ def main(argv=None) -> None:
     parser.add_argument("--contexts", nargs="+", type=int, default=[8192, 32768])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--modes", nargs="*", default=["cudagraph", "reduce-overhead"],
-                        help="captured-step modes to time whole (CUDA only)")
+    parser.add_argument("--modes", nargs="*", default=["cudagraph", "reduce-overhead", "reduce-overhead+packed"],
+                        help="captured-step modes to time whole (CUDA only); +packed: over packed weights")
+    parser.add_argument("--no-packed", dest="packed", action="store_false",
+                        help="leave out the packed rows and modes (they copy the decoder layers' weights)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
     if lm.lean is None:
         parser.error(f"{args.model}: no lean path for this model (its layers are not the Qwen2 kind)")
     bandwidth = copy_bandwidth(args.device)
+    packed = packed_layers(lm.text) if args.packed else None
+    modes = [m for m in args.modes if packed is not None or not m.endswith("+packed")]
     steps: dict = {}
     tables = []
     for context in args.contexts:
-        tables.append(markdown(*anatomy(lm, context, bandwidth, steps, args.modes)))
+        tables.append(markdown(*anatomy(lm, context, bandwidth, steps, modes, packed)))
         print(tables[-1], flush=True)
         if args.out:
             args.out.mkdir(parents=True, exist_ok=True)

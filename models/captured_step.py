@@ -40,6 +40,7 @@ import torch
 
 from models.compiling import private_copy, record_compile
 from models.lean import LayerWeights, rms_norm
+from models.packing import PackedLayer
 from models.prefix_attention import held_attention
 
 MODES = ("cudagraph", "reduce-overhead")
@@ -58,31 +59,44 @@ def buffered_layer(lean, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     """One decoder layer of `lean` over the new tokens x [n, hidden], attending to its whole
     buffers keys, values [KV, capacity, hd] of which the first lengths[index] are held (lengths
     int64 [layers], index int64 [1]); cos, sin [n, head_dim]; mask bool [n, n] among the
-    new tokens; weights: the layer's LayerWeights fields in order. -> the layer's output
-    [n, hidden], its new keys and values [KV, n, hd]. One function for every layer, so that
+    new tokens; weights: the layer's LayerWeights fields in order, then, where the weights are
+    packed (models.packing), PACKED_FIELDS of its PackedLayer: q, k and v are then one product, gate
+    and up another (the small k and v products are the least efficient a step runs). -> the layer's
+    output [n, hidden], its new keys and values [KV, n, hd]. One function for every layer, so that
     inductor compiles one layer, not the unrolled stack (minutes at 28 layers)."""
     new = {}
+    plain = len(fields(LayerWeights))
+    packed = PackedLayer(*weights[plain:]) if len(weights) > plain else None
 
     def attend(q, k, v):
         new["k"], new["v"] = k, v
         # index_select, not lengths[index]: a tensor used as a Python index is read on the host
         return held_attention(q, k, v, keys, values, lengths.index_select(0, index), mask, lean.scaling)
 
-    x = lean.layer(x, LayerWeights(*weights), cos, sin, attend)
+    x = lean.layer(x, LayerWeights(*weights[:plain]), cos, sin, attend, packed)
     return x, new["k"], new["v"]
 
 
+PACKED_FIELDS = ("qkv", "qkv_bias", "o", "o_bias", "gate_up", "down")   # PackedLayer's tensors, tiles aside
+
+
+def layer_tensors(w: LayerWeights, packed: PackedLayer | None) -> tuple:
+    """What buffered_layer takes as `weights` for one layer."""
+    plain = tuple(getattr(w, f.name) for f in fields(w))
+    return plain if packed is None else plain + tuple(getattr(packed, name) for name in PACKED_FIELDS)
+
+
 def buffered_step(lean, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: list, values: list,
-                  lengths: torch.Tensor, indices: list, mask: torch.Tensor, layer=buffered_layer):
+                  lengths: torch.Tensor, indices: list, mask: torch.Tensor, layer=buffered_layer,
+                  packed: list | None = None):
     """The decoder layers of `lean` over the new tokens (buffered_layer each, `layer` compiled or
     not), their new keys and values written into the buffers at the held lengths. embeds [n, hidden];
-    keys[l], values[l] [KV, capacity_l, hd]; indices[l]: int64 [1] tensors holding l.
-    -> final-norm hidden [n, hidden]."""
+    keys[l], values[l] [KV, capacity_l, hd]; indices[l]: int64 [1] tensors holding l; packed: the
+    layers' PackedLayer (fused products) or None. -> final-norm hidden [n, hidden]."""
     x = embeds
     rows = lengths[:, None] + torch.arange(embeds.shape[0], device=lengths.device)                  # [layers, n]
-    for i, w in enumerate(lean.layers):
-        x, k, v = layer(lean, x, cos, sin, keys[i], values[i], lengths, indices[i], mask,
-                        *(getattr(w, f.name) for f in fields(w)))
+    for i, (w, p) in enumerate(zip(lean.layers, packed or [None] * len(lean.layers))):
+        x, k, v = layer(lean, x, cos, sin, keys[i], values[i], lengths, indices[i], mask, *layer_tensors(w, p))
         keys[i].index_copy_(1, rows[i], k)
         values[i].index_copy_(1, rows[i], v)
     return rms_norm(x, lean.final_norm, lean.eps)
@@ -104,12 +118,17 @@ class _Bucket:
 class CapturedStep:
     """buffered_step for one LeanDecoder, replayed as CUDA graphs (see the module doc). With
     capture=False (any device) each call runs the graph's body directly: the same operations on
-    the same buffers, what the CPU tests check against the eager path."""
+    the same buffers, what the CPU tests check against the eager path. packed: the layers'
+    models.packing.PackedLayer, whose fused products the step then runs (default: the lean
+    decoder's own, `lean.packed`, set where load_model packed the weights; False: none)."""
 
-    def __init__(self, lean, mode: str = "reduce-overhead", *, capture: bool | None = None):
+    def __init__(self, lean, mode: str = "reduce-overhead", *, capture: bool | None = None, packed=None):
         if mode not in MODES:
             raise ValueError(f"compile={mode!r}: one of {', '.join(MODES)}")
         self.lean, self.mode = lean, mode
+        self.packed = (lean.packed if packed is None else packed) or None
+        if self.packed is not None and len(self.packed) != len(lean.layers):
+            raise ValueError(f"{len(self.packed)} packed layers for a decoder of {len(lean.layers)}")
         device = lean.layers[0].q.device
         self.capture = device.type == "cuda" if capture is None else capture
         if self.capture and device.type != "cuda":
@@ -188,7 +207,8 @@ class CapturedStep:
         """One step over the static inputs, the new keys and values written at the held lengths
         (what a graph captures)."""
         return buffered_step(self.lean, bucket.embeds, bucket.cos, bucket.sin, [k[0] for k, _ in buffers],
-                             [v[0] for _, v in buffers], bucket.lengths, self._indices, bucket.mask, self._layer)
+                             [v[0] for _, v in buffers], bucket.lengths, self._indices, bucket.mask, self._layer,
+                             self.packed)
 
     def _capture(self, bucket: _Bucket, key, buffers) -> None:
         device = bucket.embeds.device

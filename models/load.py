@@ -106,7 +106,9 @@ def _pack(lm, pack, *, fused: bool) -> None:
     compiled step's, else one product a projection; tiles serve fused products only), measured
     once for the layers' shapes on this CPU and remembered (the weights' values do not matter, only
     their shapes and whether they are bfloat16 values, which tiles hold in half the bytes). On a
-    GPU auto leaves them as loaded: a GPU's kernels read either layout at the same pace."""
+    GPU auto measures too where the steps are captured or compiled (fused products: q, k and v in
+    one, gate and up in one, timed as CUDA graphs), and leaves the eager lean path's weights as
+    loaded: it multiplies a projection at a time, so packing would change only the layout."""
     from models.compile_auto import remembered
     from models.compiling import record_compile
     from models.lean import LeanDecoder
@@ -115,15 +117,14 @@ def _pack(lm, pack, *, fused: bool) -> None:
         MEASURED_LAYERS,
         layers_bytes,
         packed_copy,
-        packed_layers,
         products_ms,
         qwen2_projections,
-        rebind_layers,
         shape_key,
         tiles_apply,
         tiles_width,
         with_tiles,
     )
+    from models.packing import pack as pack_layers
     from models.tiled import unavailable_reason
 
     offer = pack in ("auto", "tiled") and tiles_apply(lm.text.layers[0].self_attn.q_proj.weight)
@@ -138,12 +139,15 @@ def _pack(lm, pack, *, fused: bool) -> None:
         if not tiles_fit:
             raise ModelError(f"pack=tiled copies the decoder layers ({extra / 2**30:.1f} GiB) and this machine has "
                              f"{room / 2**30:.1f} GiB available: use pack=true (packed in place) or false")
-    if pack is False or (pack == "auto" and lm.device.type != "cpu"):
+    on_cpu = lm.device.type == "cpu"
+    if pack is False or (pack == "auto" and not on_cpu and not fused):
         return
     started = time.perf_counter()
     if pack == "auto":
         form = "fused" if fused else "a product each"
-        key = f"{shape_key(lm.text)} | {form} | {lm.dtype} | {_cpu_name() or 'cpu'}, {torch.get_num_threads()} threads"
+        where = (f"{_cpu_name() or 'cpu'}, {torch.get_num_threads()} threads" if on_cpu
+                 else torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else str(lm.device))
+        key = f"{shape_key(lm.text)} | {form} | {lm.dtype} | {where}"
         offer_tiles = fused and tiles_fit and tiles_apply(lm.text.layers[0].self_attn.q_proj.weight)
         if offer_tiles:
             # a choice made before the kernel could be one, or with another build of it, does not hold
@@ -162,8 +166,8 @@ def _pack(lm, pack, *, fused: bool) -> None:
             return
     else:
         layout = "tiled" if pack == "tiled" else "packed"
-    layers = packed_layers(lm.text)
-    rebind_layers(lm.text, layers)
+    lm.lean = None                   # its LayerWeights hold the loaded tensors: let each go once packed
+    layers = pack_layers(lm.text)
     if layout == "tiled":
         layers = [with_tiles(p) for p in layers]
     lm.lean = LeanDecoder.of(lm.text)           # its LayerWeights name the rebound views

@@ -175,9 +175,14 @@ def rebind_layers(text_model, layers: list[PackedLayer]) -> None:
 
 
 def pack(text_model) -> list[PackedLayer]:
-    """Pack every decoder layer and rebind the model's weights to views of the packed tensors."""
-    layers = packed_layers(text_model)
-    rebind_layers(text_model, layers)
+    """Pack every decoder layer and rebind the model's weights to views of the packed tensors,
+    a layer at a time: each layer's old tensors are free before the next is copied (where nothing
+    else holds them), so packing needs one layer's room beside the model, not the model's."""
+    layers = []
+    for layer in text_model.layers:
+        projections = qwen2_projections(layer)
+        layers.append(packed_copy(projections))
+        rebind(projections, layers[-1])
     return layers
 
 
@@ -242,10 +247,11 @@ def _loaded_products(h: torch.Tensor, layer) -> torch.Tensor:
 def products_ms(text_model, packed: list[PackedLayer], *, fused: bool, rows: tuple[int, ...] = (1, 8),
                 rounds: int = 20, tiles: bool = True) -> dict[str, float]:
     """Milliseconds of the weight products of the first len(packed) layers (`packed` their copies)
-    over `rows`-row inputs (a step and an 8-token verification), as loaded (a product each) and
-    packed (fused: the compiled step's three products, else a product each over the packed
-    views), and with fused products tiled too where the tiled kernel runs (float32 on the CPU) and
-    `tiles` allows; interleaved round by round; medians. The attention between them is left out:
+    on their device (on CUDA, CUDA graphs' replays: _timer) over `rows`-row inputs (a step and an
+    8-token verification), as loaded (a product each) and packed (fused: the compiled and
+    captured steps' three products, else a product each over the packed views), and with fused
+    products tiled too where the tiled kernel runs (float32 on the CPU) and `tiles` allows;
+    interleaved round by round; medians. The attention between them is left out:
     it is the same every way."""
     first = text_model.layers[0].self_attn.q_proj.weight
     hidden = first.shape[1]
@@ -259,12 +265,43 @@ def products_ms(text_model, packed: list[PackedLayer], *, fused: bool, rows: tup
     if fused and tiles and tiles_apply(first):
         tiled_layers = [with_tiles(p) for p in packed]
         ways["tiled"] = lambda h: [_fused_products(h, p) for p in tiled_layers]
+    timers = {way: _timer(lambda run=run: [run(h) for h in inputs], first.device) for way, run in ways.items()}
     times: dict[str, list[float]] = {way: [] for way in ways}
     for r in range(rounds + 2):                       # the first two rounds untimed
-        for way, run in ways.items():
-            t0 = time.perf_counter()
-            for h in inputs:
-                run(h)
+        for way, timed in timers.items():
+            seconds = timed()
             if r >= 2:
-                times[way].append(time.perf_counter() - t0)
+                times[way].append(seconds)
     return {way: 1000 * statistics.median(t) for way, t in times.items()}
+
+
+def _timer(run, device: torch.device):
+    """A function that runs `run` once and returns its seconds. On the CPU, the host clock. On
+    CUDA, `run` is captured as a CUDA graph (warmed on a side stream first: cuBLAS's handles and
+    workspaces) and each call times one replay between device events: what the captured steps
+    pay, without the host's launches, which would favour fewer products for a reason the
+    captured steps do not have."""
+    if device.type != "cuda":
+        def timed() -> float:
+            start = time.perf_counter()
+            run()
+            return time.perf_counter() - start
+        return timed
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        run()
+        run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+
+    def replayed() -> float:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1000
+    return replayed

@@ -71,3 +71,12 @@ def test_paths_and_the_profile_of_a_step(tmp_path):
     assert set(row["profile"]) == {"lean", "compiled"}
     assert "aten::" in row["profile"]["lean"]
     assert "## qwen2.5-vl-7b" in (tmp_path / "profile.md").read_text()
+
+
+def test_captured_paths_over_packed_copies(tmp_path):
+    """"+packed" paths time a captured step over packed copies of the layers (uncaptured on the
+    CPU: the same body a graph replays), beside the step over the weights as loaded."""
+    results = run_benchmark([SMALLER], [128], device="cpu", dtype="float32", steps=2, repeats=1, ks=(2,),
+                            paths=("cudagraph", "cudagraph+packed"), out=tmp_path)
+    (row,) = results["models"][SMALLER]["contexts"].values()
+    assert set(row["step_ms_by_path"]) == {"cudagraph", "cudagraph+packed"} and row["path"] == "cudagraph+packed"

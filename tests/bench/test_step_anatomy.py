@@ -2,8 +2,9 @@
 
 import torch
 
-from bench.step_anatomy import main, products
+from bench.step_anatomy import main, packed_products, products
 from models.load import load_model
+from models.packing import packed_layers
 from tests.models.test_shapes import TINY
 
 
@@ -11,6 +12,8 @@ def test_the_products_run_every_layer_over_every_row():
     lm = load_model(TINY)
     x = torch.randn(3, lm.hidden_size)
     assert products(lm.lean, x).shape == (3, lm.hidden_size)
+    # the same products, fused (float32 rounding apart: another blocking of the same sums)
+    torch.testing.assert_close(packed_products(packed_layers(lm.text), x), products(lm.lean, x), rtol=1e-4, atol=1e-5)
 
 
 def test_a_run_writes_a_table_per_context_with_the_floor_first(tmp_path, capsys):
@@ -23,7 +26,8 @@ def test_a_run_writes_a_table_per_context_with_the_floor_first(tmp_path, capsys)
         assert rows[0][0] == "| floor: the step's bytes over the copy bandwidth" and rows[0][2] == "1.00 |"
         names = [r[0] for r in rows]
         # every part the module doc lists, on the CPU (captured steps and SDPA need CUDA)
-        assert sum("weight products" in n for n in names) == 3 and sum("LM head" in n for n in names) == 3
+        assert sum("weight products" in n for n in names) == 6 and sum("LM head" in n for n in names) == 3
+        assert sum("weight products packed" in n for n in names) == 3
         assert sum("prefix-attention path" in n for n in names) == 3 and sum("split attention" in n for n in names) == 3
         assert any("RMSNorm" in n for n in names)
         assert all(float(r[1]) > 0 for r in rows)

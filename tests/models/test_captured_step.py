@@ -21,6 +21,7 @@ import torch
 from models.captured_step import BUCKETS, CapturedStep, bucket_of
 from models.decoding import greedy, prefill_video
 from models.load import ModelError, load_model
+from models.packing import packed_layers
 from speculative.tree import bushy_tree, tree_depths, tree_mask
 from zoo.train.data import example
 
@@ -58,18 +59,20 @@ def test_buckets():
     assert BUCKETS == tuple(sorted(BUCKETS))
 
 
-@pytest.mark.parametrize("garbage", [False, True])
-def test_the_buffered_body_decodes_the_eager_paths_tokens(garbage):
+@pytest.mark.parametrize("garbage, packed", [(False, False), (True, False), (False, True)])
+def test_the_buffered_body_decodes_the_eager_paths_tokens(garbage, packed):
     """64 greedy steps, then trees and chains padded to buckets (12 → 16, 30 → 32, 5 → 8),
     equal the eager lean path's; with garbage in the spare room (finite
-    values a rollback leaves) as with zeros."""
+    values a rollback leaves) as with zeros; with the packed weights' fused products (q, k, v in
+    one product, gate and up in one: the same terms summed in another blocking, float32 rounding)."""
     ex = example(7, 30, 2)
     lm = load_model(TARGET)
     trees, chains = [bushy_tree(n) for n in (12, 30)], (1, 5, 8)
     want_tokens = greedy(lm, *_prefilled(lm, ex), 64)
     want_scores = _scores(lm, ex, trees, chains)
 
-    step = CapturedStep(lm.lean, "cudagraph", capture=False)
+    step = CapturedStep(lm.lean, "cudagraph", capture=False, packed=packed_layers(lm.text) if packed else False)
+    assert (step.packed is not None) == packed
     lm.lean.step = step
     cache, logits, start, layout = _prefilled(lm, ex)
     if garbage:
@@ -147,8 +150,9 @@ def test_capture_needs_cuda():
 
 # ----------------------------------------------------------------------------- on a GPU
 
-def _assert_same_greedy(lm, steps: int, build):
-    """Teacher-forced on the eager path's greedy tokens, each captured mode's logits stay within
+def _assert_same_greedy(lm, steps: int, build, variants=(("cudagraph", False), ("reduce-overhead", False))):
+    """Teacher-forced on the eager path's greedy tokens, each captured variant's (mode, packed:
+    the fused products of models.packing) logits stay within
     LOGIT_TOL of the eager path's, and it picks the same token at every step where the eager
     logits' top two are more than 2 LOGIT_TOL apart; trees and a chain in padded buckets score
     within LOGIT_TOL too. Prints the near ties and the largest
@@ -180,9 +184,10 @@ def _assert_same_greedy(lm, steps: int, build):
     want_several = several(None)
     top2 = want.topk(2, dim=-1).values
     decided = (top2[:, 0] - top2[:, 1]) > 2 * LOGIT_TOL
-    for mode in ("cudagraph", "reduce-overhead"):
-        step = CapturedStep(lm.lean, mode)
+    for mode, packed in variants:
+        step = CapturedStep(lm.lean, mode, packed=packed_layers(lm.text) if packed else False)
         step.warm(lm.device, lm.dtype)
+        mode = f"{mode}, packed" if packed else mode
         with torch.compiler.set_stance("fail_on_recompile"):
             _, got = run(step)
         assert step.captures >= len(BUCKETS) + 1          # the warm-up's buckets, then this cache's one-token graph
@@ -201,16 +206,56 @@ def _assert_same_greedy(lm, steps: int, build):
 def test_captured_graphs_decode_the_eager_paths_tokens_on_the_toy_target():
     lm = load_model(TARGET, dtype="bfloat16", device="cuda")
     ex = example(7, 30, 2)
-    _assert_same_greedy(lm, 64, lambda: _prefilled(lm, ex))
+    _assert_same_greedy(lm, 64, lambda: _prefilled(lm, ex),
+                        [(mode, packed) for mode in ("cudagraph", "reduce-overhead") for packed in (False, True)])
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs are captured on a CUDA device")
 def test_captured_graphs_decode_the_eager_paths_tokens_at_7b_shape():
     lm = load_model("random:qwen2.5-vl-7b", dtype="bfloat16", device="cuda")
     frames = torch.randint(0, 256, (8, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    _assert_same_greedy(lm, 64, lambda: _prefilled_frames(lm, frames))
+    _assert_same_greedy(lm, 64, lambda: _prefilled_frames(lm, frames),
+                        [("cudagraph", False), ("reduce-overhead", False), ("reduce-overhead", True)])
 
 
 def _prefilled_frames(lm, frames):
     cache, layout, logits = prefill_video(lm, frames, 2, "describe the video .")
     return cache, logits, layout.length, layout
+
+
+def test_a_packed_models_step_runs_its_fused_products():
+    """load_model(pack=True) packs the layers in place (the model's weights become views of the
+    packed tensors, a layer at a time); a captured step built on it then multiplies by the packed
+    tensors (lean.packed), and still decodes the as-loaded model's tokens."""
+    ex = example(4, 30, 2)
+    plain = load_model(TARGET, pack=False)
+    want = greedy(plain, *_prefilled(plain, ex), 32)
+    lm = load_model(TARGET, pack=True)
+    assert lm.lean.packed is not None
+    assert lm.lean.layers[0].q.data_ptr() == lm.lean.packed[0].qkv.data_ptr()     # a view, not a copy
+    step = CapturedStep(lm.lean, "cudagraph", capture=False)
+    assert step.packed is lm.lean.packed
+    lm.lean.step = step
+    assert greedy(lm, *_prefilled(lm, ex), 32) == want
+    with pytest.raises(ValueError, match="packed layers for a decoder"):
+        CapturedStep(lm.lean, "cudagraph", capture=False, packed=lm.lean.packed[:2])
+
+
+@pytest.mark.skipif(not CUDA, reason="times CUDA graphs' replays")
+def test_pack_auto_measures_the_products_as_cuda_graphs_on_a_gpu(tmp_path, monkeypatch):
+    """On a GPU, pack=auto with captured steps times as-loaded and fused products as CUDA graphs
+    (models.packing._timer) and keeps its choice; the step then runs what was chosen."""
+    from models import packing
+
+    monkeypatch.setenv("REELFLOW_CACHE", str(tmp_path))
+    timed = {}
+    real = packing.products_ms
+
+    def spy(*args, **kwargs):
+        timed.update(real(*args, **kwargs))
+        return timed
+    monkeypatch.setattr(packing, "products_ms", spy)
+    lm = load_model(TARGET, dtype="bfloat16", device="cuda", compile="cudagraph", pack="auto")
+    assert set(timed) == {"as_loaded", "packed"} and all(ms > 0 for ms in timed.values())
+    print(f"toy target's products on {torch.cuda.get_device_name()}: {timed}")
+    assert (lm.lean.step.packed is not None) == (min(timed, key=timed.get) == "packed")
