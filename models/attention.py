@@ -127,10 +127,8 @@ def reelflow_attention(module, query, key, value, attention_mask, dropout: float
 def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """Bottom-right causal attention of the q queries, the last q of the k keys' positions.
     query [b, h, q, d]; key, value [b, kv_h, k, d]. -> [b, q, h, d]."""
-    from torch.nn.attention.bias import causal_lower_right
-
     q, k = query.shape[2], key.shape[2]
-    bias = None if q == k else causal_lower_right(q, k)
+    bias = None if q == k else _lower_right_bias(q, k, query.device)
     # grouped heads (as transformers' repeat_kv lays them out) read their shared keys and values in
     # place: a group prefill would otherwise copy the whole cache, heads-per-group times, every layer
     grouped = query.shape[1] != key.shape[1]
@@ -143,6 +141,19 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=bias, is_causal=bias is None,
                                                                scale=scaling)
     return out.transpose(1, 2)
+
+
+def _lower_right_bias(q: int, k: int, device: torch.device):
+    """torch's lower-right causal bias for q queries over k keys, which lets sdpa take its flash
+    kernel on a GPU; under a dispatch mode (models.memory.PeakMemory's tensor count on the CPU)
+    that tensor subclass cannot be made, and the same rule as a bool mask [q, k] takes its place
+    (what torch itself builds for the bias on the CPU)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    try:
+        return causal_lower_right(q, k)
+    except RuntimeError:
+        return torch.ones(q, k, dtype=torch.bool, device=device).tril(k - q)
 
 
 def reelflow_mask(batch_size: int, q_length: int, kv_length: int, *args, attention_mask=None, local_size=None, **kwargs):

@@ -39,6 +39,22 @@ def test_a_long_query_over_a_cache_is_bottom_right_causal(q, k, heads, kv_heads)
                                rtol=1e-5, atol=1e-5)
 
 
+def test_a_long_query_under_the_memory_probe_gives_the_same_attention():
+    """Inside models.memory.PeakMemory (a dispatch mode on the CPU, which torch's causal-bias tensor
+    cannot be made under) a prefill group's attention is the same: a QuickPrefill run measuring its
+    groups' memory used to fail there."""
+    from models.memory import PeakMemory
+
+    g = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 4, 40, 16, generator=g)
+    key, value = torch.randn(1, 2, 100, 16, generator=g), torch.randn(1, 2, 100, 16, generator=g)
+    want = causal_attention(query, key, value, 0.25)
+    with PeakMemory(torch.device("cpu")) as probe:
+        got = causal_attention(query, key, value, 0.25)
+    assert probe.peak_bytes > 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_mask_is_left_to_the_attention_only_under_the_plain_causal_rule():
     assert reelflow_mask(1, 100, 400, cache_position=torch.arange(300, 400)) is None
     padded = torch.ones(1, 400, dtype=torch.bool)
