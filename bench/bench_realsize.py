@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import statistics
@@ -304,8 +305,11 @@ def run_benchmark(models, contexts, *, device="cuda", dtype="bfloat16", attn="sd
         plan[draft] = sorted(set(plan.get(draft, [])) | {(n, float(a)) for n in contexts for a in alphas})
     on_gpu = torch.device(device).type == "cuda"
     paths = tuple(paths or (("forward", "lean") if on_gpu else ("lean",)))
+    from models.prefix_attention import TUNING
+
     results = {"paths": list(paths), "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
-               "dtype": dtype, "attn_implementation": attn, "torch": torch.__version__, "models": {}}
+               "dtype": dtype, "attn_implementation": attn, "torch": torch.__version__,
+               "prefix_kernel": dataclasses.asdict(TUNING), "models": {}}
     bar = tqdm(total=sum(len(c) for c in plan.values()), desc="bench_realsize", unit="context")
     for path, model_plan in plan.items():
         load_s, lm = _timed(lambda: load_model(path, dtype=dtype, device=device, attn_implementation=attn), device)

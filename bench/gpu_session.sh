@@ -17,6 +17,10 @@
 #              replayed against EAGLE-2 node by node and the eager head) and tests/models/test_captured_step.py:
 #              CUDA graphs against the eager lean path in bf16 (toy target and random 7B), printing near
 #              ties and the largest logit difference;
+#   kernel     bench.step_anatomy --kernel-sweep on the 7B shape at 8K and 32K: the prefix-attention kernel's
+#              launch settings (programs per multiprocessor, keys per iteration, warps, rows per program);
+#              the fastest is exported as REELFLOW_PREFIX_KERNEL for the parts after it (logged, and
+#              recorded in realsize.json's prefix_kernel);
 #   anatomy    bench.step_anatomy on the 7B shape at 8K and 32K: the step's parts (weight products as loaded
 #              and packed, attention by path, norms) each captured alone, against the whole captured step
 #              (eager operations, inductor's kernels, inductor's over packed weights) and the floor;
@@ -32,16 +36,19 @@
 #   nvdec      decoding on the GPU (torchcodec's CUDA device) against QuickCodec on the CPU cores, on
 #              the 10-min benchmark video, and NVDEC's frames against PyAV's (PARTS=nvdec; it needs
 #              torchcodec's CUDA build and FFmpeg's libraries on the machine, and says so without them).
-# PARTS (environment): which parts run, always in the order above (default "exactness anatomy realsize toy").
-#   On an H200 (2026-11-27) exactness took ~190 s, anatomy ~70 s and realsize ~200 s: the default set
-#   is more than one 540-s call; split it, PARTS="exactness anatomy realsize" then PARTS=toy.
-# Writes OUT/log.txt (everything printed), anatomy.md, realsize.json / .md, profile.md, toy_report.md / .csv,
-# figure5.md / .csv, nvdec.md; bench_realsize writes after each context, so a part cut short keeps what it measured.
+# PARTS (environment): which parts run, always in the order above (default "exactness kernel anatomy realsize toy").
+#   On an H200 (2026-11-27) exactness took ~190 s, anatomy ~70 s and realsize ~200 s, before the packed
+#   variants (a third more compiles in each) and the kernel sweep (not yet timed: ~100 compiles of a small
+#   kernel) were added: the default set is more than one 540-s call; split it, PARTS="exactness kernel
+#   anatomy" then PARTS="realsize toy" (the second call finds the first's kernel_choice.txt while the
+#   machine is warm).
+# Writes OUT/log.txt (everything printed), kernel_sweep.md, kernel_choice.txt, anatomy.md, realsize.json / .md,
+# profile.md, toy_report.md / .csv, figure5.md / .csv, nvdec.md; bench_realsize writes after each context, so a part cut short keeps what it measured.
 set -u
 WHEELS=${1:-.gpu/wheels}
 OUT=${2:-${OUT:-outputs/gpu/$(date +%F_%H-%M-%S)}}
 BUDGET=${3:-540}
-PARTS=${PARTS:-exactness anatomy realsize toy}
+PARTS=${PARTS:-exactness kernel anatomy realsize toy}
 wanted() { [[ " $PARTS " == *" $1 "* ]]; }
 start=$(date +%s)
 mkdir -p "$OUT"
@@ -74,6 +81,16 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 
 part exactness 220 python3 -m pytest -q -s -p no:cacheprovider tests/models/test_prefix_attention.py \
     tests/speculative/test_captured_head.py tests/models/test_captured_step.py
+part kernel 150 python3 -m bench.step_anatomy random:qwen2.5-vl-7b --contexts 8192 32768 --kernel-sweep --out "$OUT"
+# the sweep's choice, this call's or (a call that skips the sweep) an earlier call's on this machine, kept
+# under outputs/ (ignored by git: it stays on a warm machine between calls, where OUT may not)
+if [ -f "$OUT/kernel_choice.txt" ]; then
+    mkdir -p outputs/gpu && cp "$OUT/kernel_choice.txt" outputs/gpu/kernel_choice.txt
+fi
+if [ -s outputs/gpu/kernel_choice.txt ] && [ -z "${REELFLOW_PREFIX_KERNEL:-}" ]; then
+    export REELFLOW_PREFIX_KERNEL=$(cat outputs/gpu/kernel_choice.txt)
+    echo "== the prefix-attention kernel from here on: REELFLOW_PREFIX_KERNEL=$REELFLOW_PREFIX_KERNEL" | tee -a "$log"
+fi
 part anatomy 100 python3 -m bench.step_anatomy random:qwen2.5-vl-7b --contexts 8192 32768 --out "$OUT"
 
 tmp=$(mktemp -d)

@@ -23,13 +23,20 @@ gaps left out: what remains is the kernels); on the CPU parts are timed by plain
 is the step's bytes (its weights and the cache) over the copy bandwidth, measured after the card's
 clocks have risen (a copy timed first thing after loading reads idle clocks, a third lower).
 
-Writes a markdown table per context to stdout and, with --out, anatomy.md there. Timings only;
-nothing here is a unit test.
+Writes a markdown table per context to stdout and, with --out, anatomy.md there.
+
+With --kernel-sweep (CUDA and Triton only), the prefix-attention kernel's launch settings
+(models.prefix_attention.Tuning: programs per multiprocessor, keys per iteration, warps, rows per
+program) are timed instead, the held attention of every layer for 1 and 32 new tokens per
+setting, into kernel_sweep.md, with the fastest setting as a line for $REELFLOW_PREFIX_KERNEL
+(kernel_choice.txt). Timings only; nothing here is a unit test.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -37,12 +44,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from models import prefix_attention
 from models.captured_step import CapturedStep
 from models.compiled_step import split_attention
 from models.lean import rms_norm
 from models.load import load_model
 from models.packing import mlp_products, o_product, packed_layers, qkv_products
-from models.prefix_attention import KERNEL, held_attention
+from models.prefix_attention import (
+    KERNEL,
+    Tuning,
+    held_attention,
+    kernel_available,
+    tuned,
+)
 from models.steps import build_step
 
 
@@ -203,6 +217,67 @@ def anatomy(lm, context: int, bandwidth: float, steps: dict, modes, packed) -> t
     return title, rows
 
 
+def sweep_settings(tokens: int) -> list[Tuning]:
+    """The launch settings the sweep times for `tokens` new tokens: programs per multiprocessor,
+    keys per iteration and warps crossed; for many rows, also 128 rows a program."""
+    crossed = itertools.product((2, 4, 8, 16), (64, 128), (4, 8))
+    base = [Tuning(splits_per_sm=s, block_n=b, num_warps=w) for s, b, w in crossed]
+    if tokens > 8:
+        base += [dataclasses.replace(t, max_block_r=128) for t in base if t.num_warps == 8]
+    return base
+
+
+def describe(t: Tuning) -> str:
+    """`t` as the environment variable's value, its fields that differ from the defaults."""
+    default = Tuning()
+    return ",".join(f"{f.name}={getattr(t, f.name)}" for f in dataclasses.fields(t)
+                    if getattr(t, f.name) != getattr(default, f.name)) or "defaults"
+
+
+@torch.inference_mode()
+def kernel_sweep(lm, context: int, tokens=(1, 32)) -> tuple[str, dict[str, dict[int, float]]]:
+    """(title, {setting: {tokens: ms}}): every layer's held attention (the kernel path a captured
+    step runs) at `context` cached entries, under each of sweep_settings."""
+    lean, device = lm.lean, lm.device
+    g = torch.Generator().manual_seed(context)
+    capacity = context + context // 4                     # a grown cache's spare room, as models.cache keeps
+    keys = [(torch.randn(lean.n_kv_heads, capacity, lean.head_dim, generator=g) * 0.5).to(device, lm.dtype)
+            for _ in range(2)]
+    length = torch.tensor([context], device=device)
+    layers = len(lean.layers)
+    times: dict[str, dict[int, float]] = {}
+    for n in tokens:
+        q = torch.randn(lean.n_heads, n, lean.head_dim, generator=g).to(device, lm.dtype)
+        new = torch.randn(lean.n_kv_heads, n, lean.head_dim, generator=g).to(device, lm.dtype)
+        mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        for setting in sweep_settings(n):
+            with tuned(**dataclasses.asdict(setting)):
+                ms = device_ms(lambda: [held_attention(q, new, new, keys[0], keys[1], length, mask, lean.scaling)
+                                        for _ in range(layers)])
+            times.setdefault(describe(setting), {})[n] = ms
+    title = f"{lm.name}, {context} held entries in buffers of {capacity}, held attention ×{layers}"
+    return title, times
+
+
+def sweep_markdown(title: str, times: dict[str, dict[int, float]]) -> str:
+    tokens = sorted({n for row in times.values() for n in row})
+    lines = [f"### {title}", "", "| setting | " + " | ".join(f"{n} new tokens, ms" for n in tokens) + " |",
+             "|---|" + "---|" * len(tokens)]
+    for name, row in sorted(times.items(), key=lambda kv: kv[1].get(tokens[0], float("inf"))):
+        lines.append(f"| {name} | " + " | ".join(f"{row[n]:.3f}" if n in row else "–" for n in tokens) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def best_setting(sweeps: list[dict[str, dict[int, float]]]) -> str:
+    """The setting with the least time over every context and token count it was timed at for all
+    of them (each timing relative to the defaults', so a long context does not outweigh a short one)."""
+    def score(name):
+        return sum(sweep[name][n] / sweep["defaults"][n] for sweep in sweeps for n in sweep[name])
+    common = set.intersection(*(set(s) for s in sweeps))
+    full = [name for name in common if all(set(s[name]) == set(s["defaults"]) for s in sweeps)]
+    return min(full, key=score)
+
+
 def markdown(title: str, rows: list[tuple[str, float]]) -> str:
     floor = rows[0][1]
     lines = [f"### {title}", "", "| part | ms | × floor |", "|---|---|---|"]
@@ -220,11 +295,34 @@ def main(argv=None) -> None:
                         help="captured-step modes to time whole (CUDA only); +packed: over packed weights")
     parser.add_argument("--no-packed", dest="packed", action="store_false",
                         help="leave out the packed rows and modes (they copy the decoder layers' weights)")
+    parser.add_argument("--kernel-sweep", action="store_true",
+                        help="time the prefix-attention kernel's launch settings instead (CUDA and Triton)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.kernel_sweep and (torch.device(args.device).type != "cuda" or prefix_attention.triton is None):
+        parser.error(f"--kernel-sweep times the Triton kernel on a CUDA device: --device {args.device}, "
+                     f"CUDA {'present' if torch.cuda.is_available() else 'absent'}, Triton "
+                     f"{'absent' if prefix_attention.triton is None else 'present'}")
     lm = load_model(args.model, dtype=args.dtype, device=args.device)
     if lm.lean is None:
         parser.error(f"{args.model}: no lean path for this model (its layers are not the Qwen2 kind)")
+    if args.kernel_sweep:
+        if not kernel_available(torch.zeros(1, 1, lm.lean.head_dim, device=lm.device, dtype=lm.dtype)):
+            parser.error(f"--kernel-sweep: the kernel does not serve {lm.name}'s head size {lm.lean.head_dim} "
+                         f"in {lm.dtype} (a power of two ≥ 16, a float dtype)")
+        sweeps, tables = [], []
+        for context in args.contexts:
+            title, times = kernel_sweep(lm, context)
+            sweeps.append(times)
+            tables.append(sweep_markdown(title, times))
+            print(tables[-1], flush=True)
+        choice = best_setting(sweeps)
+        print(f"fastest over every context and token count: {choice} (as now: {describe(prefix_attention.TUNING)})")
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "kernel_sweep.md").write_text("\n".join(tables) + f"\nfastest: {choice}\n")
+            (args.out / "kernel_choice.txt").write_text("" if choice == "defaults" else choice)
+        return
     bandwidth = copy_bandwidth(args.device)
     packed = packed_layers(lm.text) if args.packed else None
     modes = [m for m in args.modes if packed is not None or not m.endswith("+packed")]

@@ -26,10 +26,17 @@ graph); otherwise `prefix_attention_reference`, the same function in plain torch
 materialised), which is also what the kernels are tested against, on the CPU through Triton's
 interpreter. The kernels sit behind custom operators (`reelflow::prefix_attention`,
 `reelflow::grouped_held_attention`), so torch.compile treats each call as opaque.
+
+The split kernel's launch (programs per multiprocessor, keys per iteration, query rows per
+program, warps, pipeline stages) is `TUNING`: defaults that served an H200, or what
+$REELFLOW_PREFIX_KERNEL says ("splits_per_sm=8,block_n=128"); `bench.step_anatomy --kernel-sweep`
+times the choices on a card.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 
@@ -41,9 +48,61 @@ try:                                   # Triton ships with CUDA builds of torch,
 except ImportError:                    # pragma: no cover - depends on the install
     triton = None
 
-BLOCK_N = 64            # keys a program takes per iteration
 MAX_NEW = 64            # new rows the merging kernel takes in one tile; more go through plain torch
-SPLITS_PER_SM = 2       # aim for this many programs per multiprocessor
+ENV = "REELFLOW_PREFIX_KERNEL"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """How the split kernel is launched. The work is fixed (every held key read once per block of
+    query rows); these trade parallelism against the merge's work and re-reads."""
+
+    splits_per_sm: int = 2      # aim for this many programs per multiprocessor (more: smaller splits)
+    block_n: int = 64           # keys a program takes per iteration (a power of two ≥ 16)
+    max_block_r: int = 64       # most query rows a program takes (16-128): fewer re-reads of the keys, more registers
+    num_warps: int = 4          # Triton's defaults
+    num_stages: int = 3
+
+    def __post_init__(self):
+        def power_of_two(x):
+            return x >= 1 and x & (x - 1) == 0
+
+        if not (power_of_two(self.block_n) and self.block_n >= 16):
+            raise ValueError(f"block_n={self.block_n}: a power of two ≥ 16")
+        if self.max_block_r not in (16, 32, 64, 128):
+            raise ValueError(f"max_block_r={self.max_block_r}: 16, 32, 64 or 128")
+        if self.splits_per_sm < 1 or not power_of_two(self.num_warps) or self.num_stages < 1:
+            raise ValueError(f"splits_per_sm ≥ 1, num_warps a power of two, num_stages ≥ 1: got {self}")
+
+    def block_r(self, rows: int) -> int:
+        """Query rows a program takes for `rows` rows."""
+        return min(self.max_block_r, max(16, 1 << max(0, rows - 1).bit_length()))
+
+
+def tuning_from(text: str) -> Tuning:
+    """A Tuning from "key=value,..." (the Tuning's fields; the rest keep their defaults)."""
+    names = {f.name for f in dataclasses.fields(Tuning)}
+    settings = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        if key.strip() not in names or not value.strip().isdigit():
+            raise ValueError(f"{ENV}={text!r}: {item!r} is not one of {', '.join(sorted(names))} = a whole number")
+        settings[key.strip()] = int(value)
+    return Tuning(**settings)
+
+
+TUNING = tuning_from(os.environ.get(ENV, ""))
+
+
+@contextlib.contextmanager
+def tuned(**settings):
+    """Inside the block the split kernel launches with `settings` (Tuning's fields) over TUNING."""
+    global TUNING
+    saved, TUNING = TUNING, dataclasses.replace(TUNING, **settings)
+    try:
+        yield TUNING
+    finally:
+        TUNING = saved
 
 
 def prefix_attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
@@ -155,12 +214,13 @@ def precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def split_size(capacity: int, programs_per_split: int, device: torch.device) -> int:
-    """Keys per split, a power of two ≥ BLOCK_N: about enough splits that the grid covers the
-    multiprocessors SPLITS_PER_SM times."""
+def split_size(capacity: int, programs_per_split: int, device: torch.device, tuning: Tuning | None = None) -> int:
+    """Keys per split, a power of two ≥ the tuning's block_n: about enough splits that the grid
+    covers the multiprocessors splits_per_sm times."""
+    tuning = tuning or TUNING
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    want = max(1, SPLITS_PER_SM * sms // programs_per_split)
-    return max(BLOCK_N, 1 << max(0, math.ceil(capacity / want) - 1).bit_length())
+    want = max(1, tuning.splits_per_sm * sms // programs_per_split)
+    return max(tuning.block_n, 1 << max(0, math.ceil(capacity / want) - 1).bit_length())
 
 
 def _split_parts(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
@@ -169,9 +229,10 @@ def _split_parts(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, leng
     log-sum-exp float32 [KV, S, R] (-inf for a split past the held length)."""
     kv, rows, hd = q.shape
     capacity = keys.shape[1]
-    block_r = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    tuning = TUNING
+    block_r = tuning.block_r(rows)
     row_blocks = math.ceil(rows / block_r)
-    split = split_size(capacity, kv * row_blocks, q.device)
+    split = split_size(capacity, kv * row_blocks, q.device, tuning)
     splits = math.ceil(capacity / split)
     parts = torch.empty(kv, splits, rows, hd, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(kv, splits, rows, dtype=torch.float32, device=q.device)
@@ -179,7 +240,8 @@ def _split_parts(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, leng
         q, keys, values, length, parts, part_lse, rows, scaling,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         parts.stride(0), parts.stride(1), parts.stride(2), part_lse.stride(0), part_lse.stride(1),
-        HD=hd, BLOCK_R=block_r, BLOCK_N=BLOCK_N, ROW_BLOCKS=row_blocks, SPLIT=split, PRECISION=precision(q))
+        HD=hd, BLOCK_R=block_r, BLOCK_N=tuning.block_n, ROW_BLOCKS=row_blocks, SPLIT=split, PRECISION=precision(q),
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages)
     return parts, part_lse
 
 

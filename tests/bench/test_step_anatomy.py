@@ -1,8 +1,17 @@
 """bench.step_anatomy's bookkeeping on the CPU with a tiny random shape (the figures need a GPU)."""
 
+import pytest
 import torch
 
-from bench.step_anatomy import main, packed_products, products
+from bench.step_anatomy import (
+    best_setting,
+    describe,
+    main,
+    packed_products,
+    products,
+    sweep_markdown,
+    sweep_settings,
+)
 from models.load import load_model
 from models.packing import packed_layers
 from tests.models.test_shapes import TINY
@@ -32,3 +41,28 @@ def test_a_run_writes_a_table_per_context_with_the_floor_first(tmp_path, capsys)
         assert any("RMSNorm" in n for n in names)
         assert all(float(r[1]) > 0 for r in rows)
     assert capsys.readouterr().out.count("### ") == 2          # each table printed as it is done
+
+
+def test_the_kernel_sweep_covers_the_defaults_and_names_settings_as_the_environment_takes_them():
+    from models.prefix_attention import Tuning, tuning_from
+
+    one, many = sweep_settings(1), sweep_settings(32)
+    assert Tuning() in one and set(one) < set(many) and len(set(many)) == len(many)
+    assert all(tuning_from("" if describe(t) == "defaults" else describe(t)) == t for t in many)
+    assert describe(Tuning()) == "defaults" and describe(Tuning(block_n=128)) == "block_n=128"
+
+
+def test_the_fastest_setting_is_judged_relative_to_the_defaults_everywhere():
+    # at 8K the second setting saves 20 %, at 32K the first saves 10 %: relative, the second wins,
+    # though the long context's milliseconds favour the first
+    short = {"defaults": {1: 1.0, 32: 1.0}, "a": {1: 1.0, 32: 1.0}, "b": {1: 0.8, 32: 0.8}, "c": {1: 0.1}}
+    long = {"defaults": {1: 10.0, 32: 10.0}, "a": {1: 9.0, 32: 9.0}, "b": {1: 10.0, 32: 10.0}, "c": {1: 0.1}}
+    assert best_setting([short, long]) == "b"      # "c", timed at one token count only, is not a candidate
+    table = sweep_markdown("t", short)
+    assert table.splitlines()[4].startswith("| c | 0.100 | – |")     # sorted by the one-token time
+
+
+def test_the_kernel_sweep_needs_a_cuda_device(capsys):
+    with pytest.raises(SystemExit):
+        main([TINY, "--device", "cpu", "--dtype", "float32", "--kernel-sweep"])
+    assert "CUDA device" in capsys.readouterr().err

@@ -92,6 +92,20 @@ INTERPRETED = textwrap.dedent("""
         # float32 throughout (the interpreter's bfloat16 products are not exact): summation order only
         torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    # other launches (bench.step_anatomy --kernel-sweep's): more and smaller splits, rows over several
+    # small blocks or one large one, other key blocks: the same attention
+    for settings, (kv, rows, hd, capacity, held) in [
+            (dict(splits_per_sm=8, block_n=32, max_block_r=16), (2, 40, 64, 700, 650)),
+            (dict(block_n=128, max_block_r=128), (1, 70, 16, 600, 530)),
+            (dict(splits_per_sm=1, block_n=16), (2, 7, 32, 300, 5))]:
+        q = torch.randn(kv, rows, hd, generator=g)
+        keys, values = torch.randn(kv, capacity, hd, generator=g), torch.randn(kv, capacity, hd, generator=g)
+        length = torch.tensor([held])
+        with pa.tuned(**settings):
+            out, lse = pa.prefix_attention_kernel(q, keys, values, length, hd ** -0.5)
+        ref_out, ref_lse = pa.prefix_attention_reference(q, keys[:, :held], values[:, :held], length, hd ** -0.5)
+        torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
     # both kernels through held_attention (what captured steps call): prefix and new tokens merged,
     # against split attention over the held part (models.compiled_step, two plain products)
     from models.compiled_step import split_attention
@@ -118,6 +132,28 @@ INTERPRETED = textwrap.dedent("""
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
     print("kernel matches")
 """)
+
+
+def test_the_kernels_launch_settings_read_from_the_environment_and_checked():
+    from models.prefix_attention import ENV, Tuning, tuned, tuning_from
+
+    assert tuning_from("") == Tuning()
+    assert tuning_from(" splits_per_sm=8, block_n=128 ") == Tuning(splits_per_sm=8, block_n=128)
+    for bad in ("splits=8", "block_n=48", "block_n=x", "max_block_r=256", "num_warps=3"):
+        with pytest.raises(ValueError, match="block_n|max_block_r|num_warps|splits_per_sm|" + ENV):
+            tuning_from(bad)
+    assert [Tuning().block_r(r) for r in (1, 7, 16, 17, 40, 224)] == [16, 16, 16, 32, 64, 64]
+    assert Tuning(max_block_r=128).block_r(224) == 128 and Tuning(max_block_r=16).block_r(40) == 16
+    from models import prefix_attention as pa
+
+    before = pa.TUNING
+    with tuned(block_n=32) as inside:
+        assert pa.TUNING is inside and inside.block_n == 32
+    assert pa.TUNING is before
+    # more programs a multiprocessor: smaller splits, never under a key block
+    assert pa.split_size(40960, 4, torch.device("cpu"), Tuning(splits_per_sm=8)) \
+        < pa.split_size(40960, 4, torch.device("cpu"), Tuning())
+    assert pa.split_size(100, 4, torch.device("cpu"), Tuning(block_n=128)) == 128
 
 
 def test_the_triton_kernel_matches_the_reference_in_the_interpreter():
