@@ -28,7 +28,8 @@
 #              (inductor's kernels, over the weights as loaded and packed: q, k, v in one product, gate and
 #              up in one) against its floor and transformers' static cache + torch.compile, verifications
 #              and Sparrow's round (on the packed path);
-#   toy        bench_sparrow on the GPU with captured steps: ar, sparrow, vanilla_sd, parallelvlm;
+#   toy        bench_sparrow on the GPU with captured steps: ar, sparrow, vanilla_sd, parallelvlm, each with the
+#              draft in the target's process (resources=gpu) and in one of its own (resources=gpu_split);
 #   figure5    QuickVideo's Figure 5 at real size (bench_quickvideo_gpu, ~5 min on an H100), with the
 #              vision tower's and the group prefill's FLOPs as shares of the card's bf16 matrix rate
 #              (encode_share, prefill_share, matrix_tflops): not in the default set; run it in a call
@@ -100,7 +101,7 @@ part realsize 300 python3 -m bench.bench_realsize --models random:qwen2.5-vl-7b 
 [ -f "$tmp/realsize/table.md" ] && cp "$tmp/realsize/table.md" "$OUT/realsize.md"
 [ -f "$tmp/realsize/profile.md" ] && cp "$tmp/realsize/profile.md" "$OUT/profile.md"
 
-part toy 200 python3 -m run -m +experiment=bench_sparrow resources=gpu method=ar,sparrow,vanilla_sd,parallelvlm \
+part toy 300 python3 -m run -m +experiment=bench_sparrow resources=gpu,gpu_split method=ar,sparrow,vanilla_sd,parallelvlm \
     model.target.compile=cudagraph model.draft.compile=cudagraph hydra.sweep.dir="$tmp/toy"
 [ -f "$tmp/toy/report.md" ] && cp "$tmp/toy/report.md" "$OUT/toy_report.md"
 [ -f "$tmp/toy/report.csv" ] && cp "$tmp/toy/report.csv" "$OUT/toy_report.csv"

@@ -78,6 +78,10 @@ def child_main(conn, torch_threads: int, device: str, name: str = "", affinity: 
     import torch
 
     torch.set_num_threads(torch_threads)
+    on_cuda = device.startswith("cuda")
+    if on_cuda:           # this process's own CUDA context: its kernels never wait for the parent's interpreter
+        torch.cuda.set_device(device)
+    sync = torch.cuda.synchronize if on_cuda else None
     stages: dict[str, Any] = {}
     cancelled = False
     residents = ResidentTable(name)
@@ -114,8 +118,10 @@ def child_main(conn, torch_threads: int, device: str, name: str = "", affinity: 
             resident_ports = resident_ports_of(stages.get(node))
             kwargs = {k: residents.resolve(v) for k, v in kwargs.items()}
             job = Job(node, phase, item, kwargs, request, on_done=None)  # type: ignore[arg-type]
-            ctx = StageContext(node, item, torch.device(device), request, emit, end, lambda: cancelled)
+            ctx = StageContext(node, item, torch.device(device), request, emit, end, lambda: cancelled, sync=sync)
             result = run_phase(stages.get(node), job, ctx)
+            if on_cuda:       # as a stream worker: the job's span is its kernels' time, its outputs complete
+                torch.cuda.synchronize()
             if isinstance(result, dict) and resident_ports:
                 result = {k: residents.keep(v) if k in resident_ports else v for k, v in result.items()}
             # perf_counter is CLOCK_MONOTONIC, one clock for every process: the parent can place these

@@ -6,10 +6,12 @@
       cpu:    {kind: thread,  workers: 1, torch_threads: auto}
       decode: {kind: process, workers: 2, torch_threads: 1}
       draft:  {kind: process, workers: 1, torch_threads: 1, affinity: [1]}   # pinned to core 1
+      draft:  {kind: process, workers: 1, torch_threads: 1, device: cuda:0}   # or: a process on a GPU
     streams:
       target: {device: cuda:0, priority: 0}
 
-Without CUDA a stream becomes a one-worker CPU thread pool; that is logged once per process.
+Without CUDA a stream becomes a one-worker CPU thread pool and a process pool on a GPU a CPU one;
+that is logged once per process (resources.strict=true makes it an error).
 """
 
 from __future__ import annotations
@@ -41,7 +43,13 @@ class Resource:
 
     @property
     def is_gpu(self) -> bool:
-        return self.kind == "stream"
+        """A CUDA stream, or a process pool whose processes work on a CUDA device."""
+        return self.kind == "stream" or self.device.startswith("cuda")
+
+
+def _cuda_index(device: str) -> int:
+    """The device number in "cuda:N" ("cuda" alone: 0)."""
+    return int(device.split(":")[1]) if ":" in device else 0
 
 
 def cuda_devices() -> int:
@@ -85,6 +93,7 @@ def load_resources(cfg: Any, n_cuda: int | None = None) -> tuple[dict[str, Resou
     strict = bool(cfg.get("strict", False))
     problems: list[str] = []
     out: dict[str, Resource] = {}
+    fallen: list[str] = []                    # GPU resources this machine lacks: run on its CPU
 
     for name, pool in (cfg.get("pools") or {}).items():
         pool = dict(pool or {})
@@ -110,14 +119,26 @@ def load_resources(cfg: Any, n_cuda: int | None = None) -> tuple[dict[str, Resou
                 problems.append(f"resource '{name}': affinity={list(affinity)}, but this process may run on cores "
                                 f"{sorted(allowed)}. Fix: resources.pools.{name}.affinity=null, or cores from that list")
                 continue
-        out[name] = Resource(name, kind, workers, threads if threads in ("auto", "elastic") else int(threads),
-                             affinity=affinity)
+        threads = threads if threads in ("auto", "elastic") else int(threads)
+        device = str(pool.get("device") or "cpu")
+        if device != "cpu":
+            if kind != "process" or not device.startswith("cuda"):
+                problems.append(f"resource '{name}': device={device} on a {kind} pool. A pool's device is the CPU, "
+                                f"or cuda:N for a process pool (its processes then work on that GPU); a thread's "
+                                f"GPU work is a stream. Fix: resources.streams.{name}.device={device}, or "
+                                f"resources.pools.{name}.kind=process")
+                continue
+            if _cuda_index(device) >= n_cuda:
+                fallen.append(f"{name} ({device})")
+                out[name] = Resource(name, kind, workers, threads, affinity=affinity,
+                                     note=f"no {device}: CPU processes", fallback_from=device)
+                continue
+        out[name] = Resource(name, kind, workers, threads, device=device, affinity=affinity)
 
-    fallen: list[str] = []
     for name, stream in (cfg.get("streams") or {}).items():
         stream = dict(stream or {})
         device = str(stream.get("device", "cuda:0"))
-        index = int(device.split(":")[1]) if ":" in device else 0
+        index = _cuda_index(device)
         if name in out:
             problems.append(f"resource '{name}' is declared both as a pool and as a stream; rename one.")
             continue
@@ -130,7 +151,7 @@ def load_resources(cfg: Any, n_cuda: int | None = None) -> tuple[dict[str, Resou
     if problems:
         raise ConfigError(problems)
     if fallen and not strict and not _fallback_logged:
-        log.warning("no CUDA device for GPU streams %s: they run as CPU workers", ", ".join(fallen))
+        log.warning("no CUDA device for GPU resources %s: they run as CPU workers", ", ".join(fallen))
         _fallback_logged = True
     return out, cores, strict
 
@@ -142,8 +163,8 @@ def strict_gpu_problems(placements: Mapping[str, str], resources: Mapping[str, R
         res = resources.get(res_name)
         if res is not None and res.fallback_from:
             problems.append(
-                f"node '{node}' is on GPU stream '{res_name}' ({res.fallback_from}) but this machine has "
+                f"node '{node}' is on GPU resource '{res_name}' ({res.fallback_from}) but this machine has "
                 f"no such CUDA device and resources.strict=true. Fix: resources=cpu, or resources.strict=false to "
-                "run GPU streams as CPU workers."
+                "run GPU resources as CPU workers."
             )
     return problems

@@ -90,6 +90,7 @@ class Plan:
         lines = [f"runner: {self.runner}   cores: {self.cores}", "", "resources:"]
         for r in self.resources:
             where = r.device if r.kind == "stream" else f"torch_threads={r.torch_threads}" + ("+elastic" if r.elastic else "")
+            where += f"   {r.device}" if r.kind == "process" and r.device != "cpu" else ""
             where += f"   cores {','.join(map(str, r.affinity))}" if r.affinity else ""
             lines.append(f"  {r.name:<10} {r.kind:<8} workers={r.workers:<3} {where}"
                          + (f"   # {r.note}" if r.note else ""))
@@ -163,7 +164,7 @@ def compile_plan(
         if res.is_gpu and node.stage_cls.placement == "cpu":
             cpu_pools = [r.name for r in resources.values() if not r.is_gpu]
             problems.append(
-                f"node '{name}' ({node.stage_cls.__name__}, placement cpu) is on GPU stream '{node.on}'. "
+                f"node '{name}' ({node.stage_cls.__name__}, placement cpu) is on GPU resource '{node.on}'. "
                 f"Fix: graph.nodes.{name}.on=<a CPU pool: {', '.join(cpu_pools) or 'declare one'}>"
             )
     if strict:

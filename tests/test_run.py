@@ -83,7 +83,7 @@ def test_saved_sweep_runs_without_dash_m(tmp_path):
 
 def test_every_graph_validates_on_every_resources_config():
     graphs = sorted(p.stem for p in (ROOT / "conf" / "graph").glob("*.yaml"))
-    for resources in ("cpu", "gpu", "gpu2"):
+    for resources in ("cpu", "split", "gpu", "gpu2", "gpu_split"):
         for graph in graphs:
             with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
                 cfg = compose("config", overrides=[f"graph={graph}", f"resources={resources}"])

@@ -88,7 +88,7 @@ def test_sparrows_tree_fits_the_machine_and_the_papers_shape_is_one_override_awa
         return stage.total, stage.depth, stage.topk
 
     assert shape() == shape("resources=split") == (10, 6, 2)
-    assert shape("resources=gpu") == shape("resources=gpu2") == (30, 4, 8)
+    assert shape("resources=gpu") == shape("resources=gpu2") == shape("resources=gpu_split") == (30, 4, 8)
     assert shape('graph.tree_shape={total: 30, depth: 4, topk: 8}') == (30, 4, 8)
     assert shape("graph.tree_shape.total=16") == (16, 6, 2)
 

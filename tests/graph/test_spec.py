@@ -147,14 +147,34 @@ def test_gpu_placement_under_strict_without_cuda():
     spec = build_graph({"nodes": {"a": node(f"{P}.Producer", on="target")}}, res)
     with pytest.raises(ConfigError) as e:
         compile_plan(spec, res, cores, strict=strict)
-    assert "node 'a' is on GPU stream 'target' (cuda:0)" in str(e.value) and "resources=cpu" in str(e.value)
+    assert "node 'a' is on GPU resource 'target' (cuda:0)" in str(e.value) and "resources=cpu" in str(e.value)
+
+
+def test_a_process_pool_on_a_gpu_or_in_its_stead_on_the_cpu():
+    """A process pool may work on a CUDA device (a process of its own, its own CUDA context); where
+    the machine lacks it, it runs on the CPU as a stream does, and strict makes that an error."""
+    resources = {"pools": {"cpu": {"kind": "thread"}, "draft": {"kind": "process", "device": "cuda:1"}}}
+    res, _, _ = load_resources(resources, n_cuda=2)
+    assert res["draft"].device == "cuda:1" and res["draft"].kind == "process" and res["draft"].is_gpu
+    res, cores, _ = load_resources(resources, n_cuda=1)
+    draft = res["draft"]
+    assert (draft.device, draft.kind, draft.fallback_from, draft.is_gpu) == ("cpu", "process", "cuda:1", False)
+    assert "no cuda:1" in draft.note
+    spec = build_graph({"nodes": {"a": node(f"{P}.Producer", on="draft")}}, res)
+    compile_plan(spec, res, cores)
+    with pytest.raises(ConfigError, match="GPU resource 'draft' \\(cuda:1\\)"):
+        compile_plan(spec, res, cores, strict=True)
+    with pytest.raises(ConfigError, match="device=cuda:0 on a thread pool.*streams.cpu.device"):
+        load_resources({"pools": {"cpu": {"kind": "thread", "device": "cuda:0"}}}, n_cuda=1)
+    with pytest.raises(ConfigError, match="device=tpu on a process pool"):
+        load_resources({"pools": {"cpu": {"kind": "process", "device": "tpu"}}}, n_cuda=1)
 
 
 def test_cpu_stage_on_a_real_gpu_stream_is_rejected():
     resources = {"pools": {"cpu": {"kind": "thread"}}, "streams": {"target": {"device": "cuda:0"}}}
     res, cores, strict = load_resources(resources, n_cuda=1)
     spec = build_graph({"nodes": {"a": node("stages.source.Source", on="target")}}, res)
-    with pytest.raises(ConfigError, match="placement cpu.*GPU stream 'target'"):
+    with pytest.raises(ConfigError, match="placement cpu.*GPU resource 'target'"):
         compile_plan(spec, res, cores)
 
 
