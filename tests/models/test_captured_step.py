@@ -214,8 +214,9 @@ def test_captured_graphs_decode_the_eager_paths_tokens_on_the_toy_target():
 def test_captured_graphs_decode_the_eager_paths_tokens_at_7b_shape():
     lm = load_model("random:qwen2.5-vl-7b", dtype="bfloat16", device="cuda")
     frames = torch.randint(0, 256, (8, 3, 224, 224), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    _assert_same_greedy(lm, 64, lambda: _prefilled_frames(lm, frames),
-                        [("cudagraph", False), ("reduce-overhead", False), ("reduce-overhead", True)])
+    # the packed variants run on the toy target above: the same operations, and another 7B compile
+    # would cost a minute of a card's scarce time
+    _assert_same_greedy(lm, 64, lambda: _prefilled_frames(lm, frames))
 
 
 def _prefilled_frames(lm, frames):
