@@ -39,10 +39,12 @@
 #              torchcodec's CUDA build and FFmpeg's libraries on the machine, and says so without them).
 # PARTS (environment): which parts run, always in the order above (default "exactness kernel anatomy realsize toy").
 #   On an H200 (2026-11-27) exactness took ~190 s, anatomy ~70 s and realsize ~200 s, before the packed
-#   variants (a third more compiles in each) and the kernel sweep (not yet timed: ~100 compiles of a small
-#   kernel) were added: the default set is more than one 540-s call; split it, PARTS="exactness kernel
-#   anatomy" then PARTS="realsize toy" (the second call finds the first's kernel_choice.txt while the
-#   machine is warm).
+#   variants (another 7B compile each in anatomy and realsize, two toy ones in exactness), the kernel sweep
+#   (not yet timed: ~100 compiles of a small kernel) and gpu_split in toy (eight runs) were added: the
+#   default set is about two 540-s calls, PARTS="exactness kernel anatomy" then PARTS="realsize toy"
+#   (the second finds the first's kernel_choice.txt while the machine is warm), which is most of a
+#   15-minute session's card time; figure5 and nvdec need a session of their own, or take the place of
+#   a part the session does not need.
 # Writes OUT/log.txt (everything printed), kernel_sweep.md, kernel_choice.txt, anatomy.md, realsize.json / .md,
 # profile.md, toy_report.md / .csv, figure5.md / .csv, nvdec.md; bench_realsize writes after each context, so a part cut short keeps what it measured.
 set -u
@@ -92,7 +94,7 @@ if [ -s outputs/gpu/kernel_choice.txt ] && [ -z "${REELFLOW_PREFIX_KERNEL:-}" ];
     export REELFLOW_PREFIX_KERNEL=$(cat outputs/gpu/kernel_choice.txt)
     echo "== the prefix-attention kernel from here on: REELFLOW_PREFIX_KERNEL=$REELFLOW_PREFIX_KERNEL" | tee -a "$log"
 fi
-part anatomy 100 python3 -m bench.step_anatomy random:qwen2.5-vl-7b --contexts 8192 32768 --out "$OUT"
+part anatomy 160 python3 -m bench.step_anatomy random:qwen2.5-vl-7b --contexts 8192 32768 --out "$OUT"
 
 tmp=$(mktemp -d)
 part realsize 300 python3 -m bench.bench_realsize --models random:qwen2.5-vl-7b --contexts 8192 32768 \

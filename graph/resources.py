@@ -47,6 +47,11 @@ class Resource:
         return self.kind == "stream" or self.device.startswith("cuda")
 
 
+def _named(device: str) -> str:
+    """"cuda" as "cuda:0": torch.cuda.set_device, which a worker calls, takes only a numbered one."""
+    return "cuda:0" if device == "cuda" else device
+
+
 def _cuda_index(device: str) -> int:
     """The device number in "cuda:N" ("cuda" alone: 0)."""
     return int(device.split(":")[1]) if ":" in device else 0
@@ -120,7 +125,7 @@ def load_resources(cfg: Any, n_cuda: int | None = None) -> tuple[dict[str, Resou
                                 f"{sorted(allowed)}. Fix: resources.pools.{name}.affinity=null, or cores from that list")
                 continue
         threads = threads if threads in ("auto", "elastic") else int(threads)
-        device = str(pool.get("device") or "cpu")
+        device = _named(str(pool.get("device") or "cpu"))
         if device != "cpu":
             if kind != "process" or not device.startswith("cuda"):
                 problems.append(f"resource '{name}': device={device} on a {kind} pool. A pool's device is the CPU, "
@@ -137,7 +142,7 @@ def load_resources(cfg: Any, n_cuda: int | None = None) -> tuple[dict[str, Resou
 
     for name, stream in (cfg.get("streams") or {}).items():
         stream = dict(stream or {})
-        device = str(stream.get("device", "cuda:0"))
+        device = _named(str(stream.get("device", "cuda:0")))
         index = _cuda_index(device)
         if name in out:
             problems.append(f"resource '{name}' is declared both as a pool and as a stream; rename one.")

@@ -47,6 +47,8 @@ MODES = ("cudagraph", "reduce-overhead")
 BUCKETS = (1, 2, 4, 8, 16, 32)   # token counts a graph is captured for (the lean path takes ≤ 32); more run uncaptured
 MAX_GRAPHS = 32
 WARMUP = 2                               # eager runs on a side stream before a capture (cuBLAS, allocator)
+PACKED_FIELDS = ("qkv", "qkv_bias", "o", "o_bias", "gate_up", "down")   # PackedLayer's tensors, tiles aside
+_PLAIN = len(fields(LayerWeights))     # a constant: dataclasses.fields() inside a compiled function breaks its graph
 
 
 def bucket_of(n: int) -> int | None:
@@ -65,7 +67,7 @@ def buffered_layer(lean, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     output [n, hidden], its new keys and values [KV, n, hd]. One function for every layer, so that
     inductor compiles one layer, not the unrolled stack (minutes at 28 layers)."""
     new = {}
-    plain = len(fields(LayerWeights))
+    plain = _PLAIN
     packed = PackedLayer(*weights[plain:]) if len(weights) > plain else None
 
     def attend(q, k, v):
@@ -75,9 +77,6 @@ def buffered_layer(lean, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
     x = lean.layer(x, LayerWeights(*weights[:plain]), cos, sin, attend, packed)
     return x, new["k"], new["v"]
-
-
-PACKED_FIELDS = ("qkv", "qkv_bias", "o", "o_bias", "gate_up", "down")   # PackedLayer's tensors, tiles aside
 
 
 def layer_tensors(w: LayerWeights, packed: PackedLayer | None) -> tuple:

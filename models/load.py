@@ -71,8 +71,8 @@ def load_model(path: str, *, dtype: str = "float32", device: str = "cpu", attn_i
     on this device (measured once, then remembered: models.compile_auto). pack: the decoder
     layers' weights re-laid for few-row products (models.packing): True, False, "tiled" (packed,
     and the compiled steps' products by the tiled kernel over a copy in column tiles:
-    models.tiled), or "auto" (on the CPU, whichever measures fastest here; measured once, then
-    remembered)."""
+    models.tiled), or "auto" (whichever measures fastest here, for the steps `compile` makes; on a
+    GPU only where they are compiled or captured; measured once, then remembered)."""
     from models.compile_auto import choose_mode
     from models.steps import CAPTURED, build_step
 
@@ -106,9 +106,11 @@ def _pack(lm, pack, *, fused: bool) -> None:
     compiled step's, else one product a projection; tiles serve fused products only), measured
     once for the layers' shapes on this CPU and remembered (the weights' values do not matter, only
     their shapes and whether they are bfloat16 values, which tiles hold in half the bytes). On a
-    GPU auto measures too where the steps are captured or compiled (fused products: q, k and v in
-    one, gate and up in one, timed as CUDA graphs), and leaves the eager lean path's weights as
-    loaded: it multiplies a projection at a time, so packing would change only the layout."""
+    GPU auto measures too where `compile` is not off (fused products: q, k and v in one, gate and
+    up in one, timed as CUDA graphs), and with compile off leaves the weights as loaded: the eager
+    lean path multiplies a projection at a time, so packing would change only the layout. (With
+    compile=auto the weights are packed before the mode is chosen, so an eager choice then runs
+    over the packed views: the same products, one a projection.)"""
     from models.compile_auto import remembered
     from models.compiling import record_compile
     from models.lean import LeanDecoder

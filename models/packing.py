@@ -1,4 +1,4 @@
-"""Packed decoder weights for decode steps on the CPU: each layer's q, k and v projections as one
+"""Packed decoder weights for decode steps: each layer's q, k and v projections as one
 [hidden, q + k + v] matrix, gate and up as one [hidden, 2 × intermediate], o and down as
 [in, out]. The modules' own weights and biases are rebound as views of the packed tensors, so
 nothing is held twice and the model's own forward reads the same numbers; its state_dict (what
@@ -15,10 +15,13 @@ starts its stream anew). The toy target's 42 layer products (19 MB): 2.3 ms as l
 packed. Whether it pays depends on the BLAS and the CPU, so `pack: auto` measures it
 (models.load, remembered like `compile: auto`).
 
+On a GPU the layout matters less than the count: a captured step's small k and v products are
+its least efficient kernels, and packed, q, k and v are one product (models.captured_step).
+
 Two ways to use the packed tensors (models.lean): the eager lean path keeps one product per
 projection, now over the views, so its results stay bit-identical to the model's own forward;
-the compiled step multiplies by the packed tensors themselves (three products become one), which
-sums the same terms in another blocking: a float32 rounding apart, as the compiled step already is.
+the compiled and captured steps multiply by the packed tensors themselves (three products become
+one), which sums the same terms in another blocking: a rounding apart, as those steps already are.
 With `pack: tiled` the packed tensors also get a copy in column tiles (`with_tiles`), and the
 compiled step's products go through reelflow's kernel for few rows (models.tiled), which MKL runs
 far below the core's peak.
@@ -278,9 +281,12 @@ def products_ms(text_model, packed: list[PackedLayer], *, fused: bool, rows: tup
 def _timer(run, device: torch.device):
     """A function that runs `run` once and returns its seconds. On the CPU, the host clock. On
     CUDA, `run` is captured as a CUDA graph (warmed on a side stream first: cuBLAS's handles and
-    workspaces) and each call times one replay between device events: what the captured steps
-    pay, without the host's launches, which would favour fewer products for a reason the
-    captured steps do not have."""
+    workspaces) and each call times one replay between device events: the kernels alone, what a
+    captured step pays. Launches are left out, so where the steps are compiled but not captured
+    (which launch each product) this understates what fusing saves; it never overstates it.
+    Captured in thread-local mode: another model may be loading in another thread meanwhile
+    (resources=gpu sets both models up at once), and a global capture would forbid its
+    allocations and host reads."""
     if device.type != "cuda":
         def timed() -> float:
             start = time.perf_counter()
@@ -294,7 +300,7 @@ def _timer(run, device: torch.device):
         run()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         run()
 
     def replayed() -> float:

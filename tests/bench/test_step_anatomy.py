@@ -46,9 +46,10 @@ def test_a_run_writes_a_table_per_context_with_the_floor_first(tmp_path, capsys)
 def test_the_kernel_sweep_covers_the_defaults_and_names_settings_as_the_environment_takes_them():
     from models.prefix_attention import Tuning, tuning_from
 
-    one, many = sweep_settings(1), sweep_settings(32)
-    assert Tuning() in one and set(one) < set(many) and len(set(many)) == len(many)
-    assert all(tuning_from("" if describe(t) == "defaults" else describe(t)) == t for t in many)
+    settings = sweep_settings()
+    assert settings[0] == Tuning() and len(set(settings)) == len(settings) == 24      # the defaults first
+    assert any(t.max_block_r == 128 for t in settings)
+    assert all(tuning_from("" if describe(t) == "defaults" else describe(t)) == t for t in settings)
     assert describe(Tuning()) == "defaults" and describe(Tuning(block_n=128)) == "block_n=128"
 
 
@@ -58,11 +59,39 @@ def test_the_fastest_setting_is_judged_relative_to_the_defaults_everywhere():
     short = {"defaults": {1: 1.0, 32: 1.0}, "a": {1: 1.0, 32: 1.0}, "b": {1: 0.8, 32: 0.8}, "c": {1: 0.1}}
     long = {"defaults": {1: 10.0, 32: 10.0}, "a": {1: 9.0, 32: 9.0}, "b": {1: 10.0, 32: 10.0}, "c": {1: 0.1}}
     assert best_setting([short, long]) == "b"      # "c", timed at one token count only, is not a candidate
-    table = sweep_markdown("t", short)
+    table = sweep_markdown("t", short, {"d": "32 tokens: OutOfResources: shared memory"})
     assert table.splitlines()[4].startswith("| c | 0.100 | – |")     # sorted by the one-token time
+    assert table.splitlines()[-1] == "- left out: d: 32 tokens: OutOfResources: shared memory"
 
 
 def test_the_kernel_sweep_needs_a_cuda_device(capsys):
     with pytest.raises(SystemExit):
         main([TINY, "--device", "cpu", "--dtype", "float32", "--kernel-sweep"])
     assert "CUDA device" in capsys.readouterr().err
+
+
+def test_a_setting_that_fails_or_answers_otherwise_is_left_out(monkeypatch):
+    """kernel_sweep's bookkeeping on the CPU (the torch path; the settings change nothing there):
+    a launch that raises and one whose output differs from the defaults' are named, not timed."""
+    import bench.step_anatomy as anatomy
+    from models import prefix_attention
+    from models.prefix_attention import Tuning
+
+    real = anatomy.held_attention
+
+    def held_attention(*args):
+        tuning = prefix_attention.TUNING
+        if tuning.block_n == 16:
+            raise RuntimeError("out of resource: shared memory, required: 262144")
+        out = real(*args)
+        return out + 1 if tuning.splits_per_sm == 8 else out
+
+    monkeypatch.setattr(anatomy, "held_attention", held_attention)
+    monkeypatch.setattr(anatomy, "sweep_settings", lambda: [Tuning(), Tuning(block_n=16), Tuning(splits_per_sm=8),
+                                                            Tuning(num_warps=8)])
+    lm = load_model(TINY)
+    _, times, failures = anatomy.kernel_sweep(lm, 48, tokens=(1, 4))
+    assert set(times) == {"defaults", "num_warps=8"} and all(set(row) == {1, 4} for row in times.values())
+    assert failures["block_n=16"].startswith("1 tokens: RuntimeError: out of resource")
+    assert "differs from the defaults'" in failures["splits_per_sm=8"]
+    assert best_setting([times]) in times

@@ -164,6 +164,9 @@ def test_a_process_pool_on_a_gpu_or_in_its_stead_on_the_cpu():
     compile_plan(spec, res, cores)
     with pytest.raises(ConfigError, match="GPU resource 'draft' \\(cuda:1\\)"):
         compile_plan(spec, res, cores, strict=True)
+    unnumbered = {"pools": {"d": {"kind": "process", "device": "cuda"}}, "streams": {"t": {"device": "cuda"}}}
+    plain = load_resources(unnumbered, n_cuda=1)[0]
+    assert plain["d"].device == plain["t"].device == "cuda:0"          # numbered, as set_device needs
     with pytest.raises(ConfigError, match="device=cuda:0 on a thread pool.*streams.cpu.device"):
         load_resources({"pools": {"cpu": {"kind": "thread", "device": "cuda:0"}}}, n_cuda=1)
     with pytest.raises(ConfigError, match="device=tpu on a process pool"):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from models.captured_step import BUCKETS, CapturedStep, bucket_of
 from models.decoding import greedy, prefill_video
@@ -111,8 +112,10 @@ def test_one_compiled_layer_serves_every_layer_and_length_without_recompiling():
     want_tokens = greedy(lm, *_prefilled(lm, ex), 32)
     want_scores = _scores(lm, ex, [bushy_tree(20)], (4,))
     torch._dynamo.reset()
+    counters.clear()
     step = CapturedStep(lm.lean, "reduce-overhead", capture=False)
     step.warm(lm.device, lm.dtype)
+    assert not counters["graph_break"], dict(counters["graph_break"])      # the layer is one graph
     lm.lean.step = step
     with torch.compiler.set_stance("fail_on_recompile"):
         assert greedy(lm, *_prefilled(lm, ex), 32) == want_tokens
@@ -237,6 +240,12 @@ def test_a_packed_models_step_runs_its_fused_products():
     step = CapturedStep(lm.lean, "cudagraph", capture=False)
     assert step.packed is lm.lean.packed
     lm.lean.step = step
+    assert greedy(lm, *_prefilled(lm, ex), 32) == want
+    torch._dynamo.reset()
+    counters.clear()
+    lm.lean.step = CapturedStep(lm.lean, "reduce-overhead", capture=False)
+    lm.lean.step.warm(lm.device, lm.dtype)
+    assert not counters["graph_break"], dict(counters["graph_break"])      # the packed layer too
     assert greedy(lm, *_prefilled(lm, ex), 32) == want
     with pytest.raises(ValueError, match="packed layers for a decoder"):
         CapturedStep(lm.lean, "cudagraph", capture=False, packed=lm.lean.packed[:2])
