@@ -82,8 +82,9 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >> "$log" 2>&1
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" >> "$log" 2>&1
 
+# only the tests that need the card (their files' CPU tests run in CI, and would spend its time here)
 part exactness 220 python3 -m pytest -q -s -p no:cacheprovider tests/models/test_prefix_attention.py \
-    tests/speculative/test_captured_head.py tests/models/test_captured_step.py
+    tests/speculative/test_captured_head.py tests/models/test_captured_step.py -k "cuda or captured_graphs or on_a_gpu"
 part kernel 150 python3 -m bench.step_anatomy random:qwen2.5-vl-7b --contexts 8192 32768 --kernel-sweep --out "$OUT"
 # the sweep's choice, this call's or (a call that skips the sweep) an earlier call's on this machine, kept
 # under outputs/ (ignored by git: it stays on a warm machine between calls, where OUT may not)
