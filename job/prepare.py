@@ -17,7 +17,9 @@ def prepare(cfg: DictConfig, n_cuda: int | None = None) -> tuple[GraphSpec, Plan
     and dropped, models not loaded): the spec and the plan, or a ConfigError naming every problem."""
     from omegaconf.errors import InterpolationResolutionError
 
-    model_problems = model_entry_problems(cfg.get("model"))
+    from models.prefix_attention import environment_problem
+
+    model_problems = model_entry_problems(cfg.get("model")) + [p for p in [environment_problem()] if p]
     if model_problems:
         raise ConfigError(model_problems)
     resources, cores, strict = load_resources(cfg.get("resources"), n_cuda=n_cuda)

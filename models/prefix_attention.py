@@ -88,10 +88,28 @@ def tuning_from(text: str) -> Tuning:
         if key.strip() not in names or not value.strip().isdigit():
             raise ValueError(f"{ENV}={text!r}: {item!r} is not one of {', '.join(sorted(names))} = a whole number")
         settings[key.strip()] = int(value)
-    return Tuning(**settings)
+    try:
+        return Tuning(**settings)
+    except ValueError as e:
+        raise ValueError(f"{ENV}={text!r}: {e}") from None
 
 
-TUNING = tuning_from(os.environ.get(ENV, ""))
+def _from_environment() -> tuple[Tuning, str | None]:
+    """The environment's Tuning, or the defaults and what is wrong with the variable: a bad value
+    is reported where a run is checked (environment_problem) and where the kernel would use it,
+    not as a failure to import this module."""
+    try:
+        return tuning_from(os.environ.get(ENV, "")), None
+    except (ValueError, TypeError) as e:
+        return Tuning(), str(e)
+
+
+TUNING, _ENV_PROBLEM = _from_environment()
+
+
+def environment_problem() -> str | None:
+    """What is wrong with $REELFLOW_PREFIX_KERNEL, or None."""
+    return _ENV_PROBLEM
 
 
 @contextlib.contextmanager
@@ -227,6 +245,8 @@ def _split_parts(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, leng
                  scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The split kernel's launch: q [KV, R, hd] -> each split's output float32 [KV, S, R, hd] and
     log-sum-exp float32 [KV, S, R] (-inf for a split past the held length)."""
+    if _ENV_PROBLEM:
+        raise ValueError(_ENV_PROBLEM)
     kv, rows, hd = q.shape
     capacity = keys.shape[1]
     tuning = TUNING

@@ -125,6 +125,16 @@ def test_demo_run_leaves_every_file(tmp_path):
     assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_bad_kernel_setting_in_the_environment_is_one_readable_message(tmp_path, monkeypatch):
+    """$REELFLOW_PREFIX_KERNEL is read when the attention kernel's module loads; a bad value is a
+    config problem of the run (exit 2, before any setup), not a failed import."""
+    monkeypatch.setenv("REELFLOW_PREFIX_KERNEL", "block_n=48")
+    out = run("+experiment=demo", f"hydra.run.dir={tmp_path}")
+    assert out.returncode == 2, out.stderr
+    assert "REELFLOW_PREFIX_KERNEL='block_n=48': block_n=48: a power of two ≥ 16" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 @pytest.mark.parametrize("override,expect", [
     ("graph.nodes.consume.inputs.item=check.tokens", "node 'consume' input 'item' expects Payload but check.tokens gives Tokens"),
     ("graph.nodes.consume.on=gpu9", "node 'consume': unknown resource 'gpu9'"),

@@ -134,6 +134,16 @@ INTERPRETED = textwrap.dedent("""
 """)
 
 
+def test_a_bad_setting_in_the_environment_stops_the_kernel_not_the_import(monkeypatch):
+    from models import prefix_attention as pa
+
+    monkeypatch.setattr(pa, "_ENV_PROBLEM", "REELFLOW_PREFIX_KERNEL='x': 'x' is not one of ...")
+    assert pa.environment_problem().startswith("REELFLOW_PREFIX_KERNEL='x'")
+    q = torch.zeros(1, 1, 16)
+    with pytest.raises(ValueError, match="REELFLOW_PREFIX_KERNEL='x'"):
+        pa._split_parts(q, q, q, torch.tensor([1]), 1.0)
+
+
 def test_the_kernels_launch_settings_read_from_the_environment_and_checked():
     from models.prefix_attention import ENV, Tuning, tuned, tuning_from
 
