@@ -331,6 +331,8 @@ def main(argv=None) -> None:
                         help="time the prefix-attention kernel's launch settings instead (CUDA and Triton)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if prefix_attention.environment_problem():
+        parser.error(prefix_attention.environment_problem())
     if args.kernel_sweep and (torch.device(args.device).type != "cuda" or prefix_attention.triton is None):
         parser.error(f"--kernel-sweep times the Triton kernel on a CUDA device: --device {args.device}, "
                      f"CUDA {'present' if torch.cuda.is_available() else 'absent'}, Triton "
