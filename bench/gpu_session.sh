@@ -6,7 +6,8 @@
 #
 # WHEELS: a folder with the wheels the machine lacks (av, hydra-core, omegaconf, antlr4,
 #         transformers) and a setup.sh that installs them and sets PYTHONPATH (default .gpu/wheels;
-#         skipped when absent, for a machine that has them);
+#         skipped when absent, for a machine that has them; .gpu/ is ignored by git, so a remote call
+#         must carry it);
 # OUT:    where the results go (default $OUT, else outputs/gpu/<time>);
 # BUDGET_S: seconds for the whole script (default 540): each part gets its own limit, cut to what
 #         is left, and a part with under 30 s left is skipped and says so.
