@@ -171,12 +171,6 @@ def rebind(projections: dict[str, torch.nn.Linear], p: PackedLayer) -> None:
         module.register_state_dict_post_hook(_saved_as_loaded)
 
 
-def rebind_layers(text_model, layers: list[PackedLayer]) -> None:
-    """rebind every decoder layer to its PackedLayer."""
-    for layer, p in zip(text_model.layers, layers):
-        rebind(qwen2_projections(layer), p)
-
-
 def pack(text_model) -> list[PackedLayer]:
     """Pack every decoder layer and rebind the model's weights to views of the packed tensors,
     a layer at a time: each layer's old tensors are free before the next is copied (where nothing
