@@ -136,6 +136,7 @@ class CapturedStep:
                        else buffered_layer)       # a code object per model: see models.compiling.private_copy
         self._indices = [torch.tensor([i], device=device) for i in range(len(lean.layers))]
         self._buckets: dict[int, _Bucket] = {}
+        self._recent: OrderedDict = OrderedDict()   # (bucket, buffers' key) of every graph, least recently used first
         self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.captures = 0                   # graphs captured so far (tests, plan.txt)
         self.capture_bytes = 0              # memory the captures reserved
@@ -167,7 +168,7 @@ class CapturedStep:
             key = tuple((k.data_ptr(), v.data_ptr(), k.shape[-2], k.stride(), v.stride()) for k, v in buffers)
             if key not in bucket.graphs:
                 self._capture(bucket, key, buffers)
-            bucket.graphs.move_to_end(key)
+            self._touch(bucket, key)
             graph, hidden = bucket.graphs[key]
             graph.replay()
         for layer in layers:
@@ -225,12 +226,27 @@ class CapturedStep:
         # thread_local: a draft model's thread may launch its own work while this one captures
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             hidden = self._body(bucket, buffers)
-        bucket.graphs[key] = (graph, hidden)
-        while sum(len(b.graphs) for b in self._buckets.values()) > MAX_GRAPHS:
-            oldest = min((b for b in self._buckets.values() if b.graphs), key=lambda b: len(b.graphs))
-            oldest.graphs.popitem(last=False)
+        self._remember(bucket, key, (graph, hidden))
         self.captures += 1
         self.capture_bytes += max(0, torch.cuda.memory_reserved(device) - reserved)
+
+    def _touch(self, bucket: _Bucket, key) -> None:
+        """Mark bucket's graph for `key` the most recently replayed, in its bucket (latest_graph)
+        and among all graphs (what _remember drops last)."""
+        bucket.graphs.move_to_end(key)
+        self._recent[(bucket.size, key)] = None
+        self._recent.move_to_end((bucket.size, key))
+
+    def _remember(self, bucket: _Bucket, key, entry) -> None:
+        """Keep `entry` (graph, hidden output) for bucket and key, then drop the least recently
+        replayed graphs, whatever their bucket, down to MAX_GRAPHS: never the one just kept, which
+        the caller replays next (dropping from the bucket with the fewest graphs did just that when
+        a new bucket's first graph came in over a full set)."""
+        bucket.graphs[key] = entry
+        self._touch(bucket, key)
+        while len(self._recent) > MAX_GRAPHS:
+            (size, oldest), _ = self._recent.popitem(last=False)
+            del self._buckets[size].graphs[oldest]
 
     # ------------------------------------------------------------------------- warm-up
 
@@ -252,6 +268,7 @@ class CapturedStep:
             cache.crop(-size)              # transformers 5: a negative count of entries to drop
         for bucket in self._buckets.values():     # keyed to the dummy's buffers: a request captures its own
             bucket.graphs.clear()
+        self._recent.clear()
         seconds = time.perf_counter() - t0
         memory = f", {self.capture_bytes / 2**20:.0f} MiB of graphs" if self.capture else ""
         record_compile(f"{name} lean step, {len(sizes)} token buckets captured{memory}", self.mode, seconds)

@@ -87,6 +87,24 @@ def test_the_buffered_body_decodes_the_eager_paths_tokens(garbage, packed):
     assert set(step._buckets) == {1, 8, 16, 32}
 
 
+def test_the_graphs_kept_are_the_most_recently_replayed_whatever_their_bucket():
+    """Over MAX_GRAPHS the least recently replayed graph goes, never the one just captured: a new
+    bucket's first graph over a full set used to be dropped at once (its bucket had the fewest),
+    and the replay that followed failed on the missing key. Bookkeeping only: no capture here."""
+    from models.captured_step import MAX_GRAPHS
+
+    lm = load_model(TARGET)
+    step = CapturedStep(lm.lean, "cudagraph", capture=False)
+    one, eight = step._bucket(1, torch.zeros(1, lm.hidden_size)), step._bucket(8, torch.zeros(8, lm.hidden_size))
+    for key in range(MAX_GRAPHS):
+        step._remember(one, key, ("graph", key))
+    step._touch(one, 0)                                   # replayed again: now the most recent
+    step._remember(eight, "first", ("graph", "first"))    # one over the limit
+    assert "first" in eight.graphs and len(one.graphs) == MAX_GRAPHS - 1
+    assert 0 in one.graphs and 1 not in one.graphs        # the least recently replayed went
+    assert next(reversed(one.graphs)) == 0                # latest_graph's pick in its bucket
+
+
 def test_more_tokens_than_the_largest_bucket_run_uncaptured():
     lm = load_model(TARGET)
     g = torch.Generator().manual_seed(1)
