@@ -47,12 +47,13 @@
 #   15-minute session's card time; figure5 and nvdec need a session of their own, or take the place of
 #   a part the session does not need.
 # Writes OUT/log.txt (everything printed), kernel_sweep.md, kernel_choice.txt, anatomy.md, realsize.json / .md,
-# profile.md, toy_report.md / .csv, figure5.md / .csv, nvdec.md; bench_realsize writes after each context, so a part cut short keeps what it measured.
+# profile.md, toy_report.md / .csv, toy_same_tokens.md, figure5.md / .csv, nvdec.md; bench_realsize writes after each context, so a part cut short keeps what it measured.
 set -u
 WHEELS=${1:-.gpu/wheels}
 OUT=${2:-${OUT:-outputs/gpu/$(date +%F_%H-%M-%S)}}
 BUDGET=${3:-540}
 PARTS=${PARTS:-exactness kernel anatomy realsize toy}
+TOY_RESOURCES=${TOY_RESOURCES:-gpu,gpu_split}   # the toy part's resources sweep (gpu alone: half the runs)
 wanted() { [[ " $PARTS " == *" $1 "* ]]; }
 start=$(date +%s)
 mkdir -p "$OUT"
@@ -105,10 +106,15 @@ part realsize 300 python3 -m bench.bench_realsize --models random:qwen2.5-vl-7b 
 [ -f "$tmp/realsize/table.md" ] && cp "$tmp/realsize/table.md" "$OUT/realsize.md"
 [ -f "$tmp/realsize/profile.md" ] && cp "$tmp/realsize/profile.md" "$OUT/profile.md"
 
-part toy 300 python3 -m run -m +experiment=bench_sparrow resources=gpu,gpu_split method=ar,sparrow,vanilla_sd,parallelvlm \
+part toy 300 python3 -m run -m +experiment=bench_sparrow resources="$TOY_RESOURCES" method=ar,sparrow,vanilla_sd,parallelvlm \
     model.target.compile=cudagraph model.draft.compile=cudagraph hydra.sweep.dir="$tmp/toy"
 [ -f "$tmp/toy/report.md" ] && cp "$tmp/toy/report.md" "$OUT/toy_report.md"
 [ -f "$tmp/toy/report.csv" ] && cp "$tmp/toy/report.csv" "$OUT/toy_report.csv"
+# lossless: each method's answers against ar's of the same settings, token for token (also after a failed job)
+if wanted toy && [ -d "$tmp/toy" ]; then
+    python3 -m bench.same_tokens "$tmp/toy" --out "$OUT/toy_same_tokens.md" >> "$log" 2>&1
+    echo "== toy: answers identical to ar's: exit $?" | tee -a "$log"
+fi
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True part figure5 480 python3 -m run -m +experiment=bench_quickvideo_gpu \
     hydra.sweep.dir="$tmp/figure5"
 [ -f "$tmp/figure5/report.md" ] && cp "$tmp/figure5/report.md" "$OUT/figure5.md"
