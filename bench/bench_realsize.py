@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from bench.bandwidth import copy_bandwidth
 from models.load import load_model
 
 PROMPT = "describe the video ."
@@ -111,7 +112,7 @@ def measure(lm, n_video: int, *, steps: int, repeats: int, ks: tuple[int, ...], 
             if profile:
                 profiles[path] = profile_step(lm, cache, layout, token, position)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if torch.device(device).type == "cuda" else None
-    floor_ms = 1000 * step_bytes(lm, cache) / copy_bandwidth(device, repeats)
+    floor_ms = 1000 * step_bytes(lm, cache) / copy_bandwidth(device)
     main = paths[-1]
     head = None
     if sparrow:
@@ -274,18 +275,6 @@ def step_bytes(lm, cache) -> int:
     """Bytes a decode step must read: the decoder layers' weights, the final norm, the LM head
     (the input embedding is a row lookup) and the cached entries."""
     return lm.step_weight_bytes() + int(lm.cache_bytes(cache))
-
-
-def copy_bandwidth(device, repeats: int, size: int = 2**30) -> float:
-    """Bytes per second a device-to-device copy of `size` bytes moves, counting what it reads and
-    what it writes (the floor divides a step's bytes by this: a step cannot stream its weights
-    faster than a copy does)."""
-    size = size if torch.device(device).type == "cuda" else size // 16
-    source = torch.ones(size // 4, device=device)
-    target = torch.empty_like(source)
-    target.copy_(source)
-    times = [_timed(lambda: target.copy_(source), device)[0] for _ in range(max(3, repeats))]
-    return 2 * size / statistics.median(times)
 
 
 def label(n: int, alpha: float) -> str:

@@ -20,8 +20,8 @@ The packed copies take the decoder layers' memory again (13 GB for the 7B shape)
 
 On CUDA each part is captured as one CUDA graph and timed by replays with device events (launch
 gaps left out: what remains is the kernels); on the CPU parts are timed by plain calls. The floor
-is the step's bytes (its weights and the cache) over the copy bandwidth, measured after the card's
-clocks have risen (a copy timed first thing after loading reads idle clocks, a third lower).
+is the step's bytes (its weights and the cache) over the copy bandwidth (bench.bandwidth: launched
+from the host after the clocks have risen; a copy in a CUDA graph runs on the copy engines, slower).
 
 Writes a markdown table per context to stdout and, with --out, anatomy.md there.
 
@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from bench.bandwidth import copy_bandwidth
 from models import prefix_attention
 from models.captured_step import CapturedStep
 from models.compiled_step import split_attention
@@ -94,20 +95,6 @@ def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 50) -> float:
         end.synchronize()
         times.append(begin.elapsed_time(end))
     return statistics.median(times)
-
-
-def copy_bandwidth(device: str, size: int = 2**30, warm_s: float = 0.5) -> float:
-    """Bytes a second a device-to-device copy moves (read plus written), after `warm_s` seconds of
-    copies so that the clocks are up."""
-    size = size if device == "cuda" else size // 16
-    source = torch.ones(size // 2, dtype=torch.bfloat16, device=device)
-    target = torch.empty_like(source)
-    until = time.perf_counter() + warm_s
-    while time.perf_counter() < until:
-        target.copy_(source)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return 2 * size / (device_ms(lambda: target.copy_(source), 20) / 1000)
 
 
 def products(lean, x: torch.Tensor):
