@@ -15,7 +15,8 @@
 # Parts, most important first:
 #   exactness  tests/models/test_prefix_attention.py (the Triton kernels in bf16 against float64
 #              attention), tests/speculative/test_captured_head.py (the Sparrow head's tree and step
-#              replayed against EAGLE-2 node by node and the eager head) and tests/models/test_captured_step.py:
+#              replayed against EAGLE-2 node by node and the eager head), tests/models/test_graph_capture.py
+#              (two threads capturing at once) and tests/models/test_captured_step.py:
 #              CUDA graphs against the eager lean path in bf16 (toy target and random 7B), printing near
 #              ties and the largest logit difference;
 #   kernel     bench.step_anatomy --kernel-sweep on the 7B shape at 8K and 32K: the prefix-attention kernel's
@@ -39,15 +40,13 @@
 #              the 10-min benchmark video, and NVDEC's frames against PyAV's (PARTS=nvdec; it needs
 #              torchcodec's CUDA build and FFmpeg's libraries on the machine, and says so without them).
 # PARTS (environment): which parts run, always in the order above (default "exactness kernel anatomy realsize toy").
-#   On an H200 (2026-11-27) exactness took ~190 s, anatomy ~70 s and realsize ~200 s, before the packed
-#   variants (another 7B compile each in anatomy and realsize, two toy ones in exactness), the kernel sweep
-#   (not yet timed: ~100 compiles of a small kernel) and gpu_split in toy (eight runs) were added: the
-#   default set is about two 540-s calls, PARTS="exactness kernel anatomy" then PARTS="realsize toy"
-#   (the second finds the first's kernel_choice.txt while the machine is warm), which is most of a
-#   15-minute session's card time; figure5 and nvdec need a session of their own, or take the place of
-#   a part the session does not need.
+#   On an H200 (2026-11-28) exactness took 91 s, kernel 78 s, anatomy 55 s, realsize 146 s and toy 103 s
+#   (18 jobs; 24 with parallelvlm), plus ~20 s installing the wheels: the default set fits one 540-s call
+#   with a little room, and a machine's start costs another 1-2 minutes of card time; figure5 (~5 min) and
+#   nvdec need a call of their own, or take the place of parts the session does not need.
 # Writes OUT/log.txt (everything printed), kernel_sweep.md, kernel_choice.txt, anatomy.md, realsize.json / .md,
-# profile.md, toy_report.md / .csv, toy_same_tokens.md, figure5.md / .csv, nvdec.md; bench_realsize writes after each context, so a part cut short keeps what it measured.
+# profile.md, toy_report.md, toy_same_tokens.md, figure5.md / .csv, nvdec.md; bench_realsize writes after each context, so a part cut short keeps what it measured.
+# (The default set writes 8 files: some remote runners bring back no more.)
 set -u
 WHEELS=${1:-.gpu/wheels}
 OUT=${2:-${OUT:-outputs/gpu/$(date +%F_%H-%M-%S)}}
@@ -86,7 +85,8 @@ python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.versio
 
 # only the tests that need the card (their files' CPU tests run in CI, and would spend its time here)
 part exactness 220 python3 -m pytest -q -s -p no:cacheprovider tests/models/test_prefix_attention.py \
-    tests/speculative/test_captured_head.py tests/models/test_captured_step.py -k "cuda or captured_graphs or on_a_gpu"
+    tests/speculative/test_captured_head.py tests/models/test_captured_step.py tests/models/test_graph_capture.py \
+    -k "cuda or captured_graphs or on_a_gpu"
 part kernel 150 python3 -m bench.step_anatomy random:qwen2.5-vl-7b --contexts 8192 32768 --kernel-sweep --out "$OUT"
 # the sweep's choice, this call's or (a call that skips the sweep) an earlier call's on this machine, kept
 # under outputs/ (ignored by git: it stays on a warm machine between calls, where OUT may not)
@@ -109,7 +109,6 @@ part realsize 300 python3 -m bench.bench_realsize --models random:qwen2.5-vl-7b 
 part toy 300 python3 -m run -m +experiment=bench_sparrow resources="$TOY_RESOURCES" method=ar,sparrow,vanilla_sd,parallelvlm \
     model.target.compile=cudagraph model.draft.compile=cudagraph hydra.sweep.dir="$tmp/toy"
 [ -f "$tmp/toy/report.md" ] && cp "$tmp/toy/report.md" "$OUT/toy_report.md"
-[ -f "$tmp/toy/report.csv" ] && cp "$tmp/toy/report.csv" "$OUT/toy_report.csv"
 # lossless: each method's answers against ar's of the same settings, token for token (also after a failed job)
 if wanted toy && [ -d "$tmp/toy" ]; then
     python3 -m bench.same_tokens "$tmp/toy" --out "$OUT/toy_same_tokens.md" >> "$log" 2>&1

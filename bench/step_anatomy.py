@@ -48,6 +48,7 @@ from bench.bandwidth import copy_bandwidth
 from models import prefix_attention
 from models.captured_step import CapturedStep
 from models.compiled_step import split_attention
+from models.graph_capture import capture
 from models.lean import rms_norm
 from models.load import load_model
 from models.packing import mlp_products, o_product, packed_layers, qkv_products
@@ -71,15 +72,7 @@ def device_ms(fn, repeats: int = 50) -> float:
             fn()
             times.append(1000 * (time.perf_counter() - start))
         return statistics.median(times)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):                 # warm-up off the capture: cuBLAS handles, Triton compiles
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        fn()
+    graph, _ = capture(fn, torch.device("cuda", torch.cuda.current_device()))
     return replay_ms(graph, repeats)
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from models.compiling import private_copy, record_compile
+from models.graph_capture import capture
 from models.lean import LayerWeights, rms_norm
 from models.packing import PackedLayer
 from models.prefix_attention import held_attention
@@ -46,7 +47,6 @@ from models.prefix_attention import held_attention
 MODES = ("cudagraph", "reduce-overhead")
 BUCKETS = (1, 2, 4, 8, 16, 32)   # token counts a graph is captured for (the lean path takes ≤ 32); more run uncaptured
 MAX_GRAPHS = 32
-WARMUP = 2                               # eager runs on a side stream before a capture (cuBLAS, allocator)
 PACKED_FIELDS = ("qkv", "qkv_bias", "o", "o_bias", "gate_up", "down")   # PackedLayer's tensors, tiles aside
 _PLAIN = len(fields(LayerWeights))     # a constant: dataclasses.fields() inside a compiled function breaks its graph
 
@@ -213,19 +213,11 @@ class CapturedStep:
     def _capture(self, bucket: _Bucket, key, buffers) -> None:
         device = bucket.embeds.device
         reserved = torch.cuda.memory_reserved(device)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):          # warm-up writes land past the held length: spare room
-            for _ in range(WARMUP):
-                self._body(bucket, buffers)
-        torch.cuda.current_stream(device).wait_stream(side)
         if not any(b.graphs for b in self._buckets.values()):
             # a pool whose graphs were all dropped is released and cannot take a new capture
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a draft model's thread may launch its own work while this one captures
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            hidden = self._body(bucket, buffers)
+        # the warm-up's writes land past the held length: spare room, overwritten later
+        graph, hidden = capture(lambda: self._body(bucket, buffers), device, pool=self._pool)
         self._remember(bucket, key, (graph, hidden))
         self.captures += 1
         self.capture_bytes += max(0, torch.cuda.memory_reserved(device) - reserved)

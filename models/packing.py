@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from models import tiled
+from models.graph_capture import capture
 
 CHOICES_FILE = "pack-choices.json"      # under reelflow's cache dir: what `pack: auto` chose per model and CPU
 
@@ -274,28 +275,19 @@ def products_ms(text_model, packed: list[PackedLayer], *, fused: bool, rows: tup
 
 def _timer(run, device: torch.device):
     """A function that runs `run` once and returns its seconds. On the CPU, the host clock. On
-    CUDA, `run` is captured as a CUDA graph (warmed on a side stream first: cuBLAS's handles and
-    workspaces) and each call times one replay between device events: the kernels alone, what a
-    captured step pays. Launches are left out, so where the steps are compiled but not captured
-    (which launch each product) this understates what fusing saves; it never overstates it.
-    Captured in thread-local mode: another model may be loading in another thread meanwhile
-    (resources=gpu sets both models up at once), and a global capture would forbid its
-    allocations and host reads."""
+    CUDA, `run` is captured as a CUDA graph (warmed first: cuBLAS's handles and workspaces) and
+    each call times one replay between device events: the kernels alone, what a captured step
+    pays. Launches are left out, so where the steps are compiled but not captured (which launch
+    each product) this understates what fusing saves; it never overstates it. Captured through
+    models.graph_capture: another model may be loading in another thread meanwhile (resources=gpu
+    sets both models up at once)."""
     if device.type != "cuda":
         def timed() -> float:
             start = time.perf_counter()
             run()
             return time.perf_counter() - start
         return timed
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        run()
-        run()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        run()
+    graph, _ = capture(run, device)
 
     def replayed() -> float:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

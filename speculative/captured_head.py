@@ -38,10 +38,10 @@ import time
 import torch
 
 from models.compiling import record_compile
+from models.graph_capture import capture
 from speculative.expansion import grow_tree
 
 ROOM = 256          # the buffer's capacity grows in steps of this many entries
-WARMUP = 2          # eager runs on a side stream before a capture (cuBLAS, sort workspaces, the allocator)
 
 
 class _HeadGraphs:
@@ -89,18 +89,10 @@ class _HeadGraphs:
         if shape not in self._graphs:
             device = self._keys.device
             reserved = torch.cuda.memory_reserved(device)
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(WARMUP):
-                    body()
-            torch.cuda.current_stream(device).wait_stream(side)
             if not self._graphs:
                 # a pool whose graphs were all dropped is released and cannot take a new capture
                 self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                outputs = body()
+            graph, outputs = capture(body, device, pool=self._pool)
             self._graphs[shape] = (graph, outputs)
             self.captures += 1
             self.capture_bytes += max(0, torch.cuda.memory_reserved(device) - reserved)
