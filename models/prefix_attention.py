@@ -49,6 +49,7 @@ except ImportError:                    # pragma: no cover - depends on the insta
     triton = None
 
 MAX_NEW = 64            # new rows the merging kernel takes in one tile; more go through plain torch
+COMBINE_CHUNK = 32      # splits the merging kernel reads at once ([CHUNK, head size] float32 a program)
 ENV = "REELFLOW_PREFIX_KERNEL"
 
 
@@ -280,53 +281,48 @@ def prefix_attention_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.T
 
 if triton is not None:
     @triton.jit
-    def _combine_kernel(parts, part_lse, q, k, v, mask, out, rows, splits, tokens, new_rows, scaling,
+    def _combine_kernel(parts, part_lse, q, k, v, mask, out, splits, tokens, new_rows, scaling,
                         sp_h, sp_s, sp_r, sl_h, sl_s, sq_h, sq_r, sk_h, sk_n, sv_h, sv_n, sm_r, so_h, so_r,
-                        HD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                        MAX_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
-        """One (KV head, block of query rows): the splits merged by their log-sum-exps, then the
-        softmax shared with the new rows' part (their keys k, values v [KV, m, hd] with m =
-        new_rows, `mask` bool [n, m] with n = tokens: query row r is token r % n of its group),
-        written in the output's dtype."""
-        head = tl.program_id(0) // ROW_BLOCKS
-        block = tl.program_id(0) % ROW_BLOCKS
-        r = block * BLOCK_R + tl.arange(0, BLOCK_R)
+                        HD: tl.constexpr, BLOCK_M: tl.constexpr, MAX_SPLITS: tl.constexpr, CHUNK: tl.constexpr):
+        """One (KV head, query row): the splits merged by their log-sum-exps, then the softmax
+        shared with the new rows' part (their keys k, values v [KV, m, hd] with m = new_rows,
+        `mask` bool [n, m] with n = tokens: query row r is token r % n of its group), written in
+        the output's dtype. A program a row, each reading its splits CHUNK at a time: with a
+        program per block of rows, a step's few programs read the splits one after another, which
+        cost more than the split kernel itself at 8K entries (about 0.2 µs a split, per layer)."""
+        head = tl.program_id(0)
+        r = tl.program_id(1)
         d = tl.arange(0, HD)
-        live = r < rows
-        # the splits' log-sum-exps as one tile [MAX_SPLITS, BLOCK_R] (a power of two ≥ the splits,
-        # the rest masked: few compiled variants); split 0 always holds keys, so `top` is finite
+        # the splits' log-sum-exps, a power-of-two tile ≥ the splits (the rest masked: few compiled
+        # variants); split 0 always holds keys when anything is held
         si = tl.arange(0, MAX_SPLITS)
-        lses = tl.load(part_lse + head * sl_h + si[:, None] * sl_s + r[None, :],
-                       mask=(si[:, None] < splits) & live[None, :], other=float("-inf"))
+        lses = tl.load(part_lse + head * sl_h + si * sl_s + r, mask=si < splits, other=float("-inf"))
         top = tl.max(lses, 0)
         top = tl.where(top == float("-inf"), 0.0, top)          # nothing held: weights 0, not exp(-inf + inf)
-        weights = tl.where(si[:, None] < splits, tl.exp(lses - top[None, :]), 0.0)           # [MAX_SPLITS, BLOCK_R]
-        total = tl.sum(weights, 0)
-        acc = tl.zeros([BLOCK_R, HD], tl.float32)
-        for i in range(0, MAX_SPLITS):
-            take = live & ((r * 0 + i) < splits)                  # a block of booleans, as every Triton takes
-            w = tl.exp(tl.load(part_lse + head * sl_h + i * sl_s + r, mask=take, other=float("-inf")) - top)
-            part = tl.load(parts + head * sp_h + i * sp_s + r[:, None] * sp_r + d[None, :], mask=take[:, None],
-                           other=0.0)
-            acc += w[:, None] * part
-        lse = top + tl.log(total)                                 # the prefix's [BLOCK_R]; -inf when empty
-        prefix = acc / tl.maximum(total, 1e-30)[:, None]
-        query = tl.load(q + head * sq_h + r[:, None] * sq_r + d[None, :], mask=live[:, None], other=0.0)
+        total = tl.sum(tl.where(si < splits, tl.exp(lses - top), 0.0), 0)
+        acc = tl.zeros([HD], tl.float32)
+        for c in range(0, MAX_SPLITS, CHUNK):
+            ci = c + tl.arange(0, CHUNK)
+            there = ci < splits
+            w = tl.where(there, tl.exp(tl.load(part_lse + head * sl_h + ci * sl_s + r, mask=there,
+                                               other=float("-inf")) - top), 0.0)              # [CHUNK]
+            part = tl.load(parts + head * sp_h + ci[:, None] * sp_s + r * sp_r + d[None, :], mask=there[:, None],
+                           other=0.0)                                                          # [CHUNK, HD]
+            acc += tl.sum(w[:, None] * part, 0)
+        lse = top + tl.log(total)                                 # the prefix's; -inf when empty
+        prefix = acc / tl.maximum(total, 1e-30)
+        query = tl.load(q + head * sq_h + r * sq_r + d).to(tl.float32)                         # [HD]
         j = tl.arange(0, BLOCK_M)
         present = j < new_rows
         new_k = tl.load(k + head * sk_h + j[:, None] * sk_n + d[None, :], mask=present[:, None], other=0.0)
         new_v = tl.load(v + head * sv_h + j[:, None] * sv_n + d[None, :], mask=present[:, None], other=0.0)
-        seen = tl.load(mask + (r % tokens)[:, None] * sm_r + j[None, :], mask=live[:, None] & present[None, :],
-                       other=0) != 0
-        score = tl.where(seen, tl.dot(query, tl.trans(new_k), input_precision=PRECISION) * scaling,
-                         float("-inf"))                                                       # [BLOCK_R, BLOCK_M]
-        new_top = tl.maximum(lse, tl.max(score, 1))             # finite: every row sees itself
+        seen = tl.load(mask + (r % tokens) * sm_r + j, mask=present, other=0) != 0           # [BLOCK_M]
+        score = tl.where(seen, tl.sum(query[None, :] * new_k.to(tl.float32), 1) * scaling, float("-inf"))
+        new_top = tl.maximum(lse, tl.max(score, 0))              # finite: every row sees itself
         w_prefix = tl.exp(lse - new_top)
-        p = tl.where(seen, tl.exp(score - new_top[:, None]), 0.0)
-        merged = (prefix * w_prefix[:, None] + tl.dot(p.to(new_v.dtype), new_v, input_precision=PRECISION)) \
-            / (w_prefix + tl.sum(p, 1))[:, None]
-        tl.store(out + head * so_h + r[:, None] * so_r + d[None, :], merged.to(out.dtype.element_ty),
-                 mask=live[:, None])
+        p = tl.where(seen, tl.exp(score - new_top), 0.0)
+        merged = (prefix * w_prefix + tl.sum(p[:, None] * new_v.to(tl.float32), 0)) / (w_prefix + tl.sum(p, 0))
+        tl.store(out + head * so_h + r * so_r + d, merged.to(out.dtype.element_ty))
 
 
 def held_attention_kernel(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
@@ -339,16 +335,15 @@ def held_attention_kernel(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     mask = mask.contiguous()
     parts, part_lse = _split_parts(qg, keys, values, length, scaling)
     kv, rows, hd = qg.shape
-    block_r = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    row_blocks = math.ceil(rows / block_r)
     out = torch.empty_like(qg)
-    _combine_kernel[(kv * row_blocks,)](
-        parts, part_lse, qg, k, v, mask, out, rows, parts.shape[1], mask.shape[0], k.shape[1], scaling,
+    max_splits = triton.next_power_of_2(parts.shape[1])
+    _combine_kernel[(kv, rows)](
+        parts, part_lse, qg, k, v, mask, out, parts.shape[1], mask.shape[0], k.shape[1], scaling,
         parts.stride(0), parts.stride(1), parts.stride(2), part_lse.stride(0), part_lse.stride(1),
         qg.stride(0), qg.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), mask.stride(0),
         out.stride(0), out.stride(1),
-        HD=hd, BLOCK_R=block_r, BLOCK_M=max(16, triton.next_power_of_2(k.shape[1])), ROW_BLOCKS=row_blocks,
-        MAX_SPLITS=triton.next_power_of_2(parts.shape[1]), PRECISION=precision(qg))
+        HD=hd, BLOCK_M=max(16, triton.next_power_of_2(k.shape[1])), MAX_SPLITS=max_splits,
+        CHUNK=min(COMBINE_CHUNK, max_splits))
     return out
 
 

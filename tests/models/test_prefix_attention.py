@@ -130,6 +130,18 @@ INTERPRETED = textwrap.dedent("""
         ref = pa.held_attention(q.double(), k.double(), v.double(), keys.double(), values.double(),
                                 torch.tensor([held]), mask, hd ** -0.5)      # float64: the torch path
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    # more splits than the merging kernel reads at once (63 splits of 16 keys: two chunks of 32)
+    kv, group, n, hd, capacity, held = 1, 7, 1, 32, 1008, 1000
+    q = torch.randn(kv * group, n, hd, generator=g)
+    k, v = torch.randn(kv, n, hd, generator=g), torch.randn(kv, n, hd, generator=g)
+    keys, values = torch.randn(kv, capacity, hd, generator=g), torch.randn(kv, capacity, hd, generator=g)
+    mask = torch.ones(n, n, dtype=torch.bool)
+    with pa.tuned(splits_per_sm=64, block_n=16):
+        assert pa._split_parts(q.view(kv, group * n, hd), keys, values, torch.tensor([held]), 1.0)[0].shape[1] \
+            > 2 * pa.COMBINE_CHUNK - 8
+        got = pa.held_attention(q, k, v, keys, values, torch.tensor([held]), mask, hd ** -0.5)
+    want = split_attention(q, k, v, keys, values, mask, hd ** -0.5, torch.arange(capacity) < held)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     print("kernel matches")
 """)
 
