@@ -181,12 +181,16 @@ def _verifications(lm, cache, layout, token: int, position: int, ks, repeats: in
 
 @torch.inference_mode()
 def sparrow_costs(lm, cache, layout, token: int, position: int, repeats: int, *, total: int = 30, depth: int = 4,
-                  topk: int = 8, text: int = 64) -> dict:
+                  topk: int = 8, text: int = 64, vocab: int | None = None) -> dict:
     """Sparrow's round at this context: a head shaped for `lm` (random weights) over a text-only
     cache of `text` tokens (VATA: it does not grow with the video) takes one step (a catch-up row)
     and drafts a `total`-`depth`-`topk` dynamic tree; the target verifies a tree of `total` nodes
-    over its whole cache. Medians of `repeats` + 1 (the first untimed)."""
+    over its whole cache. vocab: also the tree with a draft vocabulary of that many tokens
+    (speculative.draft_vocab; the LM head's first `vocab` rows: for time, which rows does not
+    matter, and a `random:` shape's tokenizer is a toy's, far smaller than its LM head).
+    Medians of `repeats` + 1 (the first untimed)."""
     from models.sparrow import HeadCache, SparrowConfig, SparrowHead
+    from speculative.draft_vocab import DraftVocabulary
     from speculative.head_draft import draft_tree, head_stepper, tree_grower, warm_tree
     from speculative.tree import bushy_tree, tree_depths, tree_mask
 
@@ -206,12 +210,15 @@ def sparrow_costs(lm, cache, layout, token: int, position: int, repeats: int, *,
             head(head_cache, head.fuse(lm.embed(row), feature), torch.tensor([text]))
         head_cache.crop(text)
 
+    draft = DraftVocabulary.of(lm, range(vocab), among=lm.vocab_size) if vocab else None
     warm_tree(head, lm, total=total, depth=depth, topk=topk)       # the head's tree compiled as the path's steps are
+    if draft is not None:
+        warm_tree(head, lm, total=total, depth=depth, topk=topk, draft=draft)
     grow = tree_grower(head, lm)                                   # (captured as a CUDA graph when they are)
 
-    def tree():
+    def tree(draft=None):
         draft_tree(head, lm, head_cache, top, text, total=total, depth=depth, topk=topk, vocab=lm.vocabulary,
-                   grow=grow)
+                   grow=grow, draft=draft)
 
     ids, parents = torch.full((total,), token), bushy_tree(total, topk)
     mask, depths = tree_mask(parents), tree_depths(parents)
@@ -221,10 +228,14 @@ def sparrow_costs(lm, cache, layout, token: int, position: int, repeats: int, *,
         lm.drop_last(cache, total)
 
     timed = {}
-    for name, fn in (("head_step_ms", step), ("head_tree_ms", tree), ("tree_verify_ms", verify)):
+    parts = [("head_step_ms", step), ("head_tree_ms", tree), ("tree_verify_ms", verify)]
+    if draft is not None:
+        parts.append(("head_tree_vocab_ms", lambda: tree(draft)))
+    for name, fn in parts:
         times = [_timed(fn, lm.device)[0] for _ in range(repeats + 1)]
         timed[name] = 1000 * statistics.median(times[1:])
-    return {"shape": f"{total}-{depth}-{topk}", "text_tokens": text, **timed}
+    return {"shape": f"{total}-{depth}-{topk}", "text_tokens": text, "draft_vocab": draft.size if draft else None,
+            **timed}
 
 
 PATHS = ("forward", "lean", "compiled", "cudagraph", "reduce-overhead", "cudagraph+packed", "reduce-overhead+packed")
@@ -361,14 +372,14 @@ def speculative_table(results: dict, pair, contexts, alphas, gamma: int) -> list
 def sparrow_table(results: dict, taus) -> list[dict]:
     """Sparrow's projected decode speedup per model and context: τ tokens a round (the toy's
     measured M, given) over the round's time (the target's tree verification, the head's tree and
-    one catch-up step) against one target step a token."""
+    one catch-up step; with a draft vocabulary, its tree) against one target step a token."""
     rows = []
     for path, entry in results["models"].items():
         for r in entry["contexts"].values():
             s = r.get("sparrow")
             if not s:
                 continue
-            round_ms = s["tree_verify_ms"] + s["head_tree_ms"] + s["head_step_ms"]
+            round_ms = s["tree_verify_ms"] + s.get("head_tree_vocab_ms", s["head_tree_ms"]) + s["head_step_ms"]
             rows.append({"model": path.removeprefix("random:"), "n_video": r["n_video"], "step_ms": r["step_ms"],
                          **s, "round_ms": round_ms, "projected": {tau: tau * r["step_ms"] / round_ms for tau in taus}})
     return rows
@@ -404,12 +415,15 @@ def markdown(results: dict) -> str:
                          f"{r['target_step_ms']:.1f} | {r['tq_ms']:.1f} | {r['c']:.2f} | {eq7} |")
     if results.get("sparrow"):
         taus = list(results["sparrow"][0]["projected"])
-        lines += ["", "| model | video tokens | tree | target step ms | tree verify ms | head step ms | head tree ms | "
+        lines += ["", "| model | video tokens | tree | target step ms | tree verify ms | head step ms | head tree ms "
+                  "(all tokens / draft vocabulary) | "
                   f"projected speedup at τ = {' / '.join(f'{t:g}' for t in taus)} |", "|---|---|---|---|---|---|---|---|"]
         for r in results["sparrow"]:
             proj = " / ".join(f"{v:.2f}" for v in r["projected"].values())
+            tree = f"{r['head_tree_ms']:.2f}" + (f" / {r['head_tree_vocab_ms']:.2f} ({r['draft_vocab']} tokens)"
+                                                 if r.get("draft_vocab") else "")
             lines.append(f"| {r['model']} | {r['n_video']} | {r['shape']} | {r['step_ms']:.2f} | {r['tree_verify_ms']:.2f} | "
-                         f"{r['head_step_ms']:.2f} | {r['head_tree_ms']:.2f} | {proj} |")
+                         f"{r['head_step_ms']:.2f} | {tree} | {proj} |")
     return "\n".join(lines) + "\n"
 
 
@@ -476,6 +490,8 @@ def main(argv=None) -> None:
     parser.add_argument("--sparrow", action="store_true",
                         help="also Sparrow's round: a head shaped for each model, its tree, the target's tree verification")
     parser.add_argument("--tree", nargs=3, type=int, default=[30, 4, 8], metavar=("TOTAL", "DEPTH", "TOPK"))
+    parser.add_argument("--head-vocab", type=int, default=None, metavar="N",
+                        help="also the head's tree with a draft vocabulary of N tokens (the projection uses it)")
     parser.add_argument("--tau", nargs="+", type=float, default=[2.5, 3.0, 4.5],
                         help="tokens per round to project Sparrow's speedup at (the toy's measured M)")
     parser.add_argument("--peer", nargs="?", const="auto", choices=("auto", "off", "default", "reduce-overhead"),
@@ -492,7 +508,8 @@ def main(argv=None) -> None:
     results = run_benchmark(args.models, args.contexts, device=args.device, dtype=args.dtype, attn=args.attn,
                             steps=args.steps, repeats=args.repeats, ks=ks, pair=args.pair, alphas=args.alphas,
                             gamma=args.gamma, paths=args.paths,
-                            sparrow=dict(zip(("total", "depth", "topk"), args.tree)) if args.sparrow else None,
+                            sparrow=({**dict(zip(("total", "depth", "topk"), args.tree)), "vocab": args.head_vocab}
+                                     if args.sparrow else None),
                             taus=tuple(args.tau), peer=args.peer, out=out, profile=args.profile)
     print(markdown(results))
     print(f"written to {out}")

@@ -29,7 +29,8 @@
 #   realsize   bench_realsize on the Qwen2.5-VL-7B shape at 8K and 32K video tokens: the captured step
 #              (inductor's kernels, over the weights as loaded and packed: q, k, v in one product, gate and
 #              up in one) against its floor and transformers' static cache + torch.compile, verifications
-#              and Sparrow's round (on the packed path);
+#              and Sparrow's round (on the packed path; the head's tree over every token and over a
+#              32,768-token draft vocabulary);
 #   toy        bench_sparrow on the GPU with captured steps: ar, sparrow, vanilla_sd, parallelvlm, each with the
 #              draft in the target's process (resources=gpu) and in one of its own (resources=gpu_split);
 #   figure5    QuickVideo's Figure 5 at real size (bench_quickvideo_gpu, ~5 min on an H100), with the
@@ -101,7 +102,8 @@ part anatomy 160 python3 -m bench.step_anatomy random:qwen2.5-vl-7b --contexts 8
 
 tmp=$(mktemp -d)
 part realsize 300 python3 -m bench.bench_realsize --models random:qwen2.5-vl-7b --contexts 8192 32768 \
-    --paths reduce-overhead reduce-overhead+packed --sparrow --peer --steps 32 --repeats 2 --out "$tmp/realsize"
+    --paths reduce-overhead reduce-overhead+packed --sparrow --head-vocab 32768 --peer --steps 32 --repeats 2 \
+    --out "$tmp/realsize"
 [ -f "$tmp/realsize/results.json" ] && cp "$tmp/realsize/results.json" "$OUT/realsize.json"
 [ -f "$tmp/realsize/table.md" ] && cp "$tmp/realsize/table.md" "$OUT/realsize.md"
 [ -f "$tmp/realsize/profile.md" ] && cp "$tmp/realsize/profile.md" "$OUT/profile.md"

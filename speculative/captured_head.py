@@ -117,26 +117,27 @@ class CapturedTree(_HeadGraphs):
         self._top = torch.zeros(head.config.hidden, device=head.fc.weight.device, dtype=head.fc.weight.dtype)
 
     def __call__(self, head, lm, prefix_k: torch.Tensor, prefix_v: torch.Tensor, top: torch.Tensor,
-                 position: int, *, depth: int, topk: int, vocab: int):
+                 position: int, *, depth: int, topk: int, vocab: int, draft=None):
         """grow_tree(head, lm, prefix_k, prefix_v, top, position, ...) through the graph. The
         outputs are the graph's own tensors: read them (draft_tree copies them to the host) before
-        the next call."""
+        the next call. A draft vocabulary's graph is keyed by its tensors' addresses, which it reads."""
         self._check(head, lm)
         self._load(prefix_k, prefix_v, position)
         self._top.copy_(top)
-        return self._replay(("tree", depth, topk, vocab), lambda: grow_tree(
+        rows = None if draft is None else (draft.ids.data_ptr(), draft.weight.data_ptr(), draft.size)
+        return self._replay(("tree", depth, topk, vocab, rows), lambda: grow_tree(
             self.head, self.lm, self._keys, self._values, self._top, self._position, depth=depth, topk=topk,
-            vocab=vocab, held=self._held()))
+            vocab=vocab, held=self._held(), draft=draft))
 
     @torch.inference_mode()
-    def warm(self, *, depth: int, topk: int, vocab: int, what: str | None = None) -> float:
+    def warm(self, *, depth: int, topk: int, vocab: int, what: str | None = None, draft=None) -> float:
         """Capture this tree shape now over a small dummy cache (the first ROOM-entry buffer, which a
         request's text prompt usually fits), so that no request pays for it. Returns the seconds."""
         c, weight = self.head.config, self.head.fc.weight
         t0 = time.perf_counter()
         prefix = torch.zeros(c.kv_heads, 3, c.head_dim, device=weight.device, dtype=weight.dtype)
         self(self.head, self.lm, prefix, prefix, torch.zeros(c.hidden, device=weight.device, dtype=weight.dtype), 3,
-             depth=depth, topk=topk, vocab=vocab)
+             depth=depth, topk=topk, vocab=vocab, draft=draft)
         seconds = time.perf_counter() - t0
         what = what or f"sparrow tree of depth {depth}, top {topk}"
         record_compile(f"{what}, captured{self._memory()}", "cudagraph" if self.capture else "off", seconds)

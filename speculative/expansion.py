@@ -12,7 +12,7 @@ from speculative.tree import to_expand
 
 def grow_tree(head: SparrowHead, lm, prefix_k: torch.Tensor, prefix_v: torch.Tensor, top: torch.Tensor,
               position: int | torch.Tensor, *, depth: int, topk: int, vocab: int,
-              held: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              held: torch.Tensor | None = None, draft=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """EAGLE-2's expansion in fixed shapes, a level at a time over the whole frontier. The root is
     the token whose head output is `top` [hidden], its children at text position `position`;
     prefix_k, prefix_v [KV, L, hd]: the head's cache (read, never written). Each level expands the
@@ -25,10 +25,20 @@ def grow_tree(head: SparrowHead, lm, prefix_k: torch.Tensor, prefix_v: torch.Ten
     level by level and, within a level, by the expanded parent, best first. No Python per node
     and no host sync: what torch.compile (or a captured graph) can take whole. For a captured
     graph (speculative.captured_head) the cache is a fixed buffer of which `held` (bool [L]) marks
-    the entries, and `position` an int64 [1] tensor on the device."""
-    k = min(topk, vocab)
-    first = torch.log_softmax(lm.logits(top)[:vocab], -1).topk(k)
-    tokens, parents, scores = [first.indices], [torch.full((k,), -1, device=top.device)], [first.values.double()]
+    the entries, and `position` an int64 [1] tensor on the device. draft: a
+    speculative.draft_vocab.DraftVocabulary, the only tokens proposed (their LM head rows alone are
+    read, and the log-probabilities are over them); None: the first `vocab` tokens."""
+
+    def log_probs(states):                   # [..., hidden] -> [..., V] (or [..., N]) over what may be proposed
+        return torch.log_softmax(lm.logits(states)[..., :vocab] if draft is None else draft.logits(states), -1)
+
+    def token_ids(indices):                  # indices into log_probs' last dimension -> token ids
+        return indices if draft is None else draft.ids[indices]
+
+    k = min(topk, vocab if draft is None else draft.size)
+    first = log_probs(top).topk(k)
+    tokens, parents = [token_ids(first.indices)], [torch.full((k,), -1, device=top.device)]
+    scores = [first.values.double()]
     front_scores, front_first = scores[0], 0             # the frontier: the last level's nodes, from node front_first
     front_parent_row = torch.full((k,), -1, device=top.device)   # each frontier node's parent's row (-1: the root)
     c = head.config
@@ -50,8 +60,8 @@ def grow_tree(head: SparrowHead, lm, prefix_k: torch.Tensor, prefix_v: torch.Ten
         sees = torch.cat([torch.cat([sees, sees.new_zeros(rows, e)], 1), mask])            # [rows + e, rows + e]
         drafted_k, drafted_v = torch.cat([drafted_k, new_k], 1), torch.cat([drafted_v, new_v], 1)
         states = torch.cat([states, out])
-        best = torch.log_softmax(lm.logits(out)[:, :vocab], -1).topk(k, -1)                   # [e, k]
-        tokens.append(best.indices.reshape(-1))
+        best = log_probs(out).topk(k, -1)                                                    # [e, k]
+        tokens.append(token_ids(best.indices).reshape(-1))
         parents.append((front_first + order).repeat_interleave(k))
         front_first += front_scores.shape[0]
         front_scores = (front_scores[order, None] + best.values.double()).reshape(-1)          # [e·k]

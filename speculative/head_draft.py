@@ -39,16 +39,17 @@ from speculative.tree import best_subtree, chain_parents, tree_depths
 
 
 def draft_tree(head: SparrowHead, lm, cache: HeadCache, top: torch.Tensor, position: int, *, total: int,
-               depth: int, topk: int, vocab: int, grow=grow_tree) -> tuple[torch.Tensor, torch.Tensor, dict]:
+               depth: int, topk: int, vocab: int, grow=grow_tree,
+               draft=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """A dynamic draft tree under the token whose head output is `top` [hidden] (the head's cache
     holds it); its children sit at text position `position`. EAGLE-2: `grow` (grow_tree, or it
     compiled) drafts depth levels of the topk best, then the `total` best nodes are kept
     (best_subtree). Returns (tokens [n], parents [n], facts) with parents listed first; the head's
-    cache is untouched."""
+    cache is untouched. draft: a DraftVocabulary, the only tokens proposed (None: all)."""
     # top is a row of the head's last output: a copy of its own, so that a compiled grow sees the
     # same layout (no storage offset) whichever row it was
     tokens, parents, scores = grow(head, lm, cache.keys, cache.values, top.clone(), position, depth=depth,
-                                   topk=topk, vocab=vocab)
+                                   topk=topk, vocab=vocab, **({} if draft is None else {"draft": draft}))
     # the reranking and everything after it run on the host, as the verifier's tree code does
     tokens, parents, scores = tokens.cpu(), parents.cpu(), scores.cpu()
     kept, kept_parents = best_subtree(parents, scores, total)
@@ -187,30 +188,33 @@ def head_stepper(head: SparrowHead, lm):
 
 
 @torch.inference_mode()
-def warm_tree(head: SparrowHead, lm, *, total: int, depth: int, topk: int) -> float:
+def warm_tree(head: SparrowHead, lm, *, total: int, depth: int, topk: int, draft=None) -> float:
     """Compile (or capture) the tree drafting of this shape for lm's compile mode now (nothing to
     do when it is "off"), over a dummy cache, so that no request pays for it. Returns the seconds."""
     if lm.compile == "off":
         return 0.0
     grow = tree_grower(head, lm)
     if captures_head(lm):                                  # the tree and the catch-up step: capture them now
-        seconds = grow.warm(depth=depth, topk=topk, vocab=lm.vocabulary, what=f"sparrow tree {total}-{depth}-{topk}")
+        seconds = grow.warm(depth=depth, topk=topk, vocab=lm.vocabulary, what=f"sparrow tree {total}-{depth}-{topk}",
+                            draft=draft)
         return seconds + head_stepper(head, lm).warm(rows=depth + 1)     # a round accepts ≤ depth tokens, + 1
     cache = HeadCache.empty(head)
     top = head(cache, torch.zeros(3, head.config.hidden, device=lm.device, dtype=lm.dtype), torch.arange(3))[-1]
     seconds = warm_at_thread_counts(      # grow.args[1]: the thread counts the compiled tree is called at
         grow.args[1], lambda: draft_tree(head, lm, cache, top, 3, total=total, depth=depth, topk=topk,
-                                         vocab=lm.vocabulary, grow=grow),
+                                         vocab=lm.vocabulary, grow=grow, draft=draft),
         f"sparrow tree {total}-{depth}-{topk}", lm.compile)
     return seconds + head_stepper(head, lm).warm(rows=depth + 1)     # a round accepts ≤ depth tokens, + 1
 
 
 def draft_chain(head: SparrowHead, lm, cache: HeadCache, top: torch.Tensor, position: int, *, depth: int,
-                vocab: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The head's greedy chain of `depth` tokens (the tree ablation), as a tree of width 1."""
+                vocab: int, draft=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The head's greedy chain of `depth` tokens (the tree ablation), as a tree of width 1 (draft:
+    a DraftVocabulary, the only tokens proposed)."""
     base, tokens, state = cache.length, [], top
     for level in range(depth):
-        token = int(lm.logits(state)[:vocab].argmax())
+        token = (int(lm.logits(state)[:vocab].argmax()) if draft is None
+                 else int(draft.ids[draft.logits(state).argmax()]))
         tokens.append(token)
         if level + 1 < depth:
             state = head(cache, head.fuse(lm.embed(torch.tensor([token])), state[None]),
@@ -223,16 +227,17 @@ class HeadDrafter:
     """lm: the target (the head shares its embedding and LM head); head: a loaded SparrowHead;
     prompt_states: the target's last-layer states of the prompt [L, hidden] (before the final
     norm), layout: the prompt's; video_states: the video's layer-m* states [V, hidden] (without
-    VATA only); total, depth, topk: the tree (tree=False: a chain of `depth`); name: the head's,
-    for the run's metrics."""
+    VATA only); total, depth, topk: the tree (tree=False: a chain of `depth`); draft_vocab: a
+    speculative.draft_vocab.DraftVocabulary, the only tokens the head proposes (None: every token);
+    name: the head's, for the run's metrics."""
 
     def __init__(self, lm, head: SparrowHead, prompt_states: torch.Tensor, layout, *, total: int, depth: int,
                  topk: int, tree: bool = True, max_new_tokens: int, video_states: torch.Tensor | None = None,
-                 name: str = "sparrow head"):
+                 draft_vocab=None, name: str = "sparrow head"):
         self.lm, self.head = lm, head
         self.total, self.depth, self.topk, self.tree = total, depth, topk, tree
         self.max_new_tokens = max_new_tokens
-        self.vocab = lm.vocabulary
+        self.vocab, self.draft_vocab = lm.vocabulary, draft_vocab
         self.round = 0
         self.committed = 0
         self.proposed: torch.Tensor | None = None
@@ -259,7 +264,7 @@ class HeadDrafter:
                 self._catch_up(verdict)
             if self.committed >= self.max_new_tokens:
                 return None
-            shape = dict(depth=self.depth, vocab=self.vocab)
+            shape = dict(depth=self.depth, vocab=self.vocab, draft=self.draft_vocab)
             if self.tree:
                 grow = tree_grower(self.head, self.lm)
                 tokens, parents, _ = draft_tree(self.head, self.lm, self.cache, self.top, self.position,

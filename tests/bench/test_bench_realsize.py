@@ -61,6 +61,15 @@ def test_sparrow_costs_and_the_projection(tmp_path):
     assert "projected speedup at τ = 2 / 4" in (tmp_path / "table.md").read_text()
 
 
+def test_the_heads_tree_with_a_draft_vocabulary_is_timed_beside_and_projected(tmp_path):
+    results = run_benchmark([SMALLER], [256], device="cpu", dtype="float32", steps=2, repeats=1, ks=(2,),
+                            sparrow={"total": 10, "depth": 3, "topk": 3, "vocab": 500}, taus=(2.0,), out=tmp_path)
+    (row,) = results["sparrow"]
+    assert row["draft_vocab"] == 500 and row["head_tree_vocab_ms"] > 0 and row["head_tree_ms"] > 0
+    assert row["round_ms"] == row["tree_verify_ms"] + row["head_tree_vocab_ms"] + row["head_step_ms"]
+    assert "(500 tokens)" in (tmp_path / "table.md").read_text()
+
+
 def test_paths_and_the_profile_of_a_step(tmp_path):
     """Several decode paths timed on one cache (the compiled one built and warmed on first use),
     each with a profile of its step; the cache is as long after the profile as before."""

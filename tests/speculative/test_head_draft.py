@@ -21,7 +21,7 @@ from speculative.expansion import grow_tree
 from speculative.head_draft import CompiledHeadStep, draft_tree, grower, head_shape
 
 
-def eagle2_node_by_node(head, lm, cache, top, position, *, total, depth, topk, vocab):
+def eagle2_node_by_node(head, lm, cache, top, position, *, total, depth, topk, vocab, draft=None):
     def path_to(parents, node):
         path = []
         while node >= 0:
@@ -29,9 +29,16 @@ def eagle2_node_by_node(head, lm, cache, top, position, *, total, depth, topk, v
             node = parents[node]
         return path[::-1]
 
+    def log_probs(x):       # over the first `vocab` tokens, or over a draft vocabulary's (token ids: draft.ids)
+        return torch.log_softmax(lm.logits(x)[..., :vocab] if draft is None else draft.logits(x), -1)
+
+    def token(i):
+        return i if draft is None else int(draft.ids[i])
+
+    width = vocab if draft is None else draft.size
     base = cache.length
-    first = torch.log_softmax(lm.logits(top)[:vocab], -1).topk(min(topk, vocab))
-    tokens, scores = first.indices.tolist(), first.values.tolist()
+    first = log_probs(top).topk(min(topk, width))
+    tokens, scores = [token(i) for i in first.indices.tolist()], first.values.tolist()
     parents, depths = [-1] * len(tokens), [1] * len(tokens)
     state, slot, frontier = {}, {}, list(range(len(tokens)))
     for level in range(1, depth):
@@ -45,11 +52,11 @@ def eagle2_node_by_node(head, lm, cache, top, position, *, total, depth, topk, v
             mask[row, [n_cached + row] + [slot[a] for a in path_to(parents, parents[i])]] = True
         out = head(cache, z, torch.full((len(expand),), position + level - 1), mask)
         frontier = []
-        best = torch.log_softmax(lm.logits(out)[:, :vocab], -1).topk(min(topk, vocab), -1)
+        best = log_probs(out).topk(min(topk, width), -1)
         for row, i in enumerate(expand):
             state[i], slot[i] = out[row], n_cached + row
             for lp, t in zip(best.values[row].tolist(), best.indices[row].tolist()):
-                tokens.append(t)
+                tokens.append(token(t))
                 parents.append(i)
                 scores.append(scores[i] + lp)
                 depths.append(level + 1)
@@ -106,17 +113,17 @@ def test_the_compiled_tree_is_one_function_at_every_thread_count():
     assert grower("off") is grow_tree
 
 
-def check_against_reference(head_and_target, shape, seed, grow, length=20):
+def check_against_reference(head_and_target, shape, seed, grow, length=20, draft=None):
     head, lm = head_and_target
     total, depth, topk = shape
     torch.manual_seed(seed)
     cache = HeadCache.empty(head)
     top = head(cache, torch.randn(length, lm.hidden_size).to(lm.device), torch.arange(length))[-1]
     tokens, parents, facts = draft_tree(head, lm, cache, top, length, total=total, depth=depth, topk=topk, vocab=64,
-                                        grow=grow)
+                                        grow=grow, draft=draft)
     assert cache.length == length
     want_tokens, want_parents, want_depth = eagle2_node_by_node(head, lm, cache, top, length, total=total, depth=depth,
-                                                                topk=topk, vocab=64)
+                                                                topk=topk, vocab=64, draft=draft)
     assert tokens.tolist() == want_tokens and parents.tolist() == want_parents
     assert facts == {"nodes": len(want_tokens), "depth": want_depth}
 
