@@ -373,17 +373,25 @@ class VideoLM:
         nodes `rows` (ascending node indices: an accepted root-to-node path), in that order, and
         drop the others. Only those few entries move; the cache before them is not copied."""
         rows = torch.as_tensor(rows, dtype=torch.long)
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+        kept = rows.numel()
+        if kept and (int(rows.min()) < 0 or int(rows.max()) >= n):
             raise ValueError(f"keep_path: nodes {rows.tolist()} are not among the last {n} entries")
+        # a path of the first nodes in order is in place already; else the rows go to each device
+        # once (a copy per layer was a host-to-device transfer per layer on a GPU), and each tensor
+        # moves them with two launches: a gather from the tree's entries, a copy behind the committed
+        move = kept and rows.tolist() != list(range(kept))
+        on_device: dict[torch.device, torch.Tensor] = {}
         for layer in cache.layers:
             start = layer.keys.shape[-2] - n
-            if rows.numel():
-                index = (rows + start).to(layer.keys.device)
-                moved_k, moved_v = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
-                layer.keys[..., start:start + rows.numel(), :] = moved_k       # writes into the cache's buffer
-                layer.values[..., start:start + rows.numel(), :] = moved_v
-            if n > rows.numel():
-                layer.crop(-(n - rows.numel()))
+            if move:
+                device = layer.keys.device
+                if device not in on_device:
+                    on_device[device] = rows.to(device)
+                for held in (layer.keys, layer.values):          # views of the cache's buffers: written in place
+                    tree = held.narrow(-2, start, n)
+                    tree.narrow(-2, 0, kept).copy_(tree.index_select(-2, on_device[device]))
+            if n > kept:
+                layer.crop(-(n - kept))
 
     @staticmethod
     def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -80,3 +80,32 @@ def test_reserve_and_advance_let_a_writer_fill_the_spare_room_in_place():
     assert layer.capacity() >= 30 and torch.equal(layer.keys, torch.cat([k, new_k], 2))
     with pytest.raises(ValueError, match="slots left"):
         layer.advance(layer.capacity())
+
+
+@pytest.mark.parametrize("rows", [[1, 3, 4], [0, 1], [], [2]])
+def test_keeping_a_trees_path_moves_its_entries_behind_the_committed_ones(rows):
+    """VideoLM.keep_path on growing layers and transformers' own: the path's entries (node order)
+    right after the entries before the tree, the rest dropped; a path of the first nodes in order
+    stays where it is; nothing before the tree moves."""
+    from transformers.cache_utils import DynamicLayer
+
+    from models.adapter import VideoLM
+
+    class Cache:                   # what keep_path reads of a cache: its layers
+        def __init__(self, layers):
+            self.layers = layers
+
+    before, tree = kv(7, 0), kv(5, 1)
+    for make in (GrowingLayer, DynamicLayer):
+        layers = [make(), make()]
+        for layer in layers:
+            layer.update(*before)
+            layer.update(*tree)
+        VideoLM.keep_path(Cache(layers), 5, rows)
+        for layer in layers:
+            assert layer.get_seq_length() == 7 + len(rows)
+            for held, (old, new) in zip((layer.keys, layer.values), zip(before, tree)):
+                assert torch.equal(held[..., :7, :], old)
+                assert torch.equal(held[..., 7:, :], new[..., rows, :])
+    with pytest.raises(ValueError, match="not among the last 5"):
+        VideoLM.keep_path(Cache(layers), 5, [5])
