@@ -2,6 +2,8 @@
 
     LD_PRELOAD=$(python -m job.openmp) python -m bench.engine_vs_loop     # vanilla SD, 8 fps, 2 videos, 6 rounds
     LD_PRELOAD=$(python -m job.openmp) python -m bench.engine_vs_loop --method sparrow -- bench.fps=2
+    python -m bench.engine_vs_loop --method sparrow --device cuda --profile -- resources=gpu \
+        model.target.compile=cudagraph                   # on a GPU, with where the loop's rounds spend their time
 
 (the preload: the OpenMP runtime `python -m run` uses; without it, torch's own)
 
@@ -15,17 +17,21 @@ On a machine whose speed drifts within minutes, only ratios of interleaved timin
 this is why both sides run in one process, round by round.
 
 Overrides after `--` are Hydra overrides of `+experiment=bench_sd` (compiled steps by default).
-Timings only; nothing here is a unit test.
+--profile prints torch.profiler's tables of the last round's plain loops (the rounds' timed regions
+and operations by total and by own host time): where a host-bound round spends its time, as a
+small model's rounds are on a GPU. Timings only; nothing here is a unit test.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
@@ -65,6 +71,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--method", default="vanilla_sd", help="a speculative method (conf/method/)")
     parser.add_argument("--videos", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6, help="rounds over the videos; the first warms up")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the loop's stages load the models (cuda: add resources=gpu for the engine)")
+    parser.add_argument("--profile", action="store_true", help="print profiler tables of the last round's loops")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (after --)")
     args = parser.parse_args(argv)
     if args.rounds < 2:
@@ -75,17 +84,27 @@ def main(argv: list[str] | None = None) -> None:
                                            "model.draft.compile=${model.target.compile}", *args.overrides])
     nodes = cfg.graph.nodes
     prefix, ports = prefills_only(cfg)
-    spec, plan = prepare(cfg, n_cuda=0)
-    prefix_spec, prefix_plan = prepare(prefix, n_cuda=0)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    n_cuda = torch.cuda.device_count() if cuda else 0
+    device = "cuda:0" if cuda else "cpu"
+    spec, plan = prepare(cfg, n_cuda=n_cuda)
+    prefix_spec, prefix_plan = prepare(prefix, n_cuda=n_cuda)
     first, answer = str(cfg.graph.first_token), str(cfg.graph.answer)
     requests = load_requests(cfg.data)
     per_token: dict[str, list[float]] = {"engine": [], "loop": []}
     with Executor(spec, plan, progress=False) as engine, \
             Executor(prefix_spec, prefix_plan, progress=False, record=ports) as prefills:
         verifier_stage, draft_stage = instantiate(nodes.verify.stage), instantiate(nodes.draft.stage)
-        verifier_stage.setup(SimpleNamespace(device="cpu"))
-        draft_stage.setup(SimpleNamespace(device="cpu"))
+        verifier_stage.setup(SimpleNamespace(device=device))
+        draft_stage.setup(SimpleNamespace(device=device))
+        profiler = None
         for round_ in range(args.rounds):
+            if args.profile and round_ == args.rounds - 1:
+                kinds = torch.profiler.ProfilerActivity
+                activities = [kinds.CPU] + ([kinds.CUDA] if cuda else [])
+                profiler = torch.profiler.profile(activities=activities)
             for request in requests:
                 result = engine.run(request)
                 n = len(result.outputs[answer].ids)
@@ -93,9 +112,14 @@ def main(argv: list[str] | None = None) -> None:
                 outputs = prefills.run(request).outputs
                 target = verifier_stage.verifier_for(outputs[ports[0]])
                 drafter = draft_stage.drafter_for(outputs[ports[1]])
-                t0 = time.perf_counter()
-                ids = speculative_decode(target, drafter, **loop_settings(nodes))
-                loop_s = time.perf_counter() - t0
+                with profiler if profiler is not None else contextlib.nullcontext():
+                    if cuda:
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    ids = speculative_decode(target, drafter, **loop_settings(nodes))
+                    if cuda:
+                        torch.cuda.synchronize()
+                    loop_s = time.perf_counter() - t0
                 if ids != list(result.outputs[answer].ids):
                     raise SystemExit(f"the engine and the loop decoded different tokens for {request.id}")
                 if round_:
@@ -105,6 +129,19 @@ def main(argv: list[str] | None = None) -> None:
                 engine_ms, loop_ms = (statistics.median(per_token[k]) for k in ("engine", "loop"))
                 print(f"round {round_}: ms a token, engine {engine_ms:.2f}, plain loop {loop_ms:.2f} "
                       f"(engine / loop {engine_ms / loop_ms:.2f})", flush=True)
+    if profiler is not None:
+        print_profile(profiler)
+
+
+def print_profile(profiler, rows: int = 30) -> None:
+    """The profiled loops' work: each region (the drafter's "head" or "draft", the target's
+    "verify": what Tq and Tp time) and operation by its total host time, then the operations by
+    their own host time (launches and host work; on a GPU, CUDA time beside it)."""
+    averages = profiler.key_averages()
+    print(f"\nthe last round's plain loops by total host time (regions: the rounds' timers; top {rows}):")
+    print(averages.table(sort_by="cpu_time_total", row_limit=rows))
+    print(f"\nthe same by their own host time (top {rows}):")
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
 if __name__ == "__main__":

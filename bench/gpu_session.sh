@@ -12,7 +12,7 @@
 # BUDGET_S: seconds for the whole script (default 540): each part gets its own limit, cut to what
 #         is left, and a part with under 30 s left is skipped and says so.
 #
-# Parts, most important first:
+# Parts, in the order they run:
 #   exactness  tests/models/test_prefix_attention.py (the Triton kernels in bf16 against float64
 #              attention), tests/speculative/test_captured_head.py (the Sparrow head's tree and step
 #              replayed against EAGLE-2 node by node and the eager head), tests/models/test_graph_capture.py
@@ -22,17 +22,21 @@
 #   kernel     bench.step_anatomy --kernel-sweep on the 7B shape at 8K and 32K: the prefix-attention kernel's
 #              launch settings (programs per multiprocessor, keys per iteration, warps, rows per program);
 #              the fastest is exported as REELFLOW_PREFIX_KERNEL for the parts after it (logged, and
-#              recorded in realsize.json's prefix_kernel);
-#   anatomy    bench.step_anatomy on the 7B shape at 8K and 32K: the step's parts (weight products as loaded
-#              and packed, attention by path, norms) each captured alone, against the whole captured step
-#              (eager operations, inductor's kernels, inductor's over packed weights) and the floor;
+#              recorded in realsize.json's prefix_kernel); not in the default set (the defaults won on
+#              2026-11-28; sweep again after a change to the kernels);
 #   realsize   bench_realsize on the Qwen2.5-VL-7B shape at 8K and 32K video tokens: the captured step
 #              (inductor's kernels, over the weights as loaded and packed: q, k, v in one product, gate and
 #              up in one) against its floor and transformers' static cache + torch.compile, verifications
 #              and Sparrow's round (on the packed path; the head's tree over every token and over a
 #              32,768-token draft vocabulary);
 #   toy        bench_sparrow on the GPU with captured steps: ar, sparrow, vanilla_sd, parallelvlm, each with the
-#              draft in the target's process (resources=gpu) and in one of its own (resources=gpu_split);
+#              draft in the target's process (resources=gpu) and in one of its own (resources=gpu_split),
+#              then bench.same_tokens: every answer against ar's;
+#   rounds     bench.engine_vs_loop --profile: the toy's Sparrow rounds through the engine and as a plain
+#              loop, and torch.profiler's tables of the loop's rounds (host-bound on a GPU: where they go);
+#   anatomy    bench.step_anatomy on the 7B shape at 8K and 32K: the step's parts (weight products as loaded
+#              and packed, attention by path, norms) each captured alone, against the whole captured step
+#              (eager operations, inductor's kernels, inductor's over packed weights) and the floor;
 #   figure5    QuickVideo's Figure 5 at real size (bench_quickvideo_gpu, ~5 min on an H100), with the
 #              vision tower's and the group prefill's FLOPs as shares of the card's bf16 matrix rate
 #              (encode_share, prefill_share, matrix_tflops): not in the default set; run it in a call
@@ -40,19 +44,21 @@
 #   nvdec      decoding on the GPU (torchcodec's CUDA device) against QuickCodec on the CPU cores, on
 #              the 10-min benchmark video, and NVDEC's frames against PyAV's (PARTS=nvdec; it needs
 #              torchcodec's CUDA build and FFmpeg's libraries on the machine, and says so without them).
-# PARTS (environment): which parts run, always in the order above (default "exactness kernel anatomy realsize toy").
-#   On an H200 (2026-11-28) exactness took 91 s, kernel 78 s, anatomy 55 s, realsize 146 s and toy 103 s
-#   (18 jobs; 24 with parallelvlm), plus ~20 s installing the wheels: the default set fits one 540-s call
-#   with a little room, and a machine's start costs another 1-2 minutes of card time; figure5 (~5 min) and
-#   nvdec need a call of their own, or take the place of parts the session does not need.
-# Writes OUT/log.txt (everything printed), kernel_sweep.md, kernel_choice.txt, anatomy.md, realsize.json / .md,
-# profile.md, toy_report.md, toy_same_tokens.md, figure5.md / .csv, nvdec.md; bench_realsize writes after each context, so a part cut short keeps what it measured.
-# (The default set writes 8 files: some remote runners bring back no more.)
+# PARTS (environment): which parts run, always in the order above (default "exactness realsize toy rounds
+#   anatomy"). On an H200 (2026-11-28) exactness took 91 s, kernel 78 s, anatomy 55 s, realsize 146 s (before
+#   the draft vocabulary's tree) and toy 103 s (18 jobs; 24 with parallelvlm), plus ~20 s installing the
+#   wheels: the default set is about 500 s of one 540-s call, and a machine's start costs another 1-2
+#   minutes of card time; figure5 (~5 min) and nvdec need a call of their own, or take the place of parts
+#   the session does not need.
+# Writes OUT/log.txt (everything printed, the rounds' profile too), anatomy.md, realsize.json / .md,
+# toy_report.md, toy_same_tokens.md, kernel_sweep.md, kernel_choice.txt, figure5.md / .csv, nvdec.md;
+# bench_realsize writes after each context, so a part cut short keeps what it measured. (Some remote
+# runners bring back 8 files at most: the default set writes 6.)
 set -u
 WHEELS=${1:-.gpu/wheels}
 OUT=${2:-${OUT:-outputs/gpu/$(date +%F_%H-%M-%S)}}
 BUDGET=${3:-540}
-PARTS=${PARTS:-exactness kernel anatomy realsize toy}
+PARTS=${PARTS:-exactness realsize toy rounds anatomy}
 TOY_RESOURCES=${TOY_RESOURCES:-gpu,gpu_split}   # the toy part's resources sweep (gpu alone: half the runs)
 wanted() { [[ " $PARTS " == *" $1 "* ]]; }
 start=$(date +%s)
@@ -98,7 +104,6 @@ if [ -s outputs/gpu/kernel_choice.txt ] && [ -z "${REELFLOW_PREFIX_KERNEL:-}" ];
     export REELFLOW_PREFIX_KERNEL=$(cat outputs/gpu/kernel_choice.txt)
     echo "== the prefix-attention kernel from here on: REELFLOW_PREFIX_KERNEL=$REELFLOW_PREFIX_KERNEL" | tee -a "$log"
 fi
-part anatomy 160 python3 -m bench.step_anatomy random:qwen2.5-vl-7b --contexts 8192 32768 --out "$OUT"
 
 tmp=$(mktemp -d)
 part realsize 300 python3 -m bench.bench_realsize --models random:qwen2.5-vl-7b --contexts 8192 32768 \
@@ -106,7 +111,6 @@ part realsize 300 python3 -m bench.bench_realsize --models random:qwen2.5-vl-7b 
     --out "$tmp/realsize"
 [ -f "$tmp/realsize/results.json" ] && cp "$tmp/realsize/results.json" "$OUT/realsize.json"
 [ -f "$tmp/realsize/table.md" ] && cp "$tmp/realsize/table.md" "$OUT/realsize.md"
-[ -f "$tmp/realsize/profile.md" ] && cp "$tmp/realsize/profile.md" "$OUT/profile.md"
 
 part toy 300 python3 -m run -m +experiment=bench_sparrow resources="$TOY_RESOURCES" method=ar,sparrow,vanilla_sd,parallelvlm \
     model.target.compile=cudagraph model.draft.compile=cudagraph hydra.sweep.dir="$tmp/toy"
@@ -116,6 +120,10 @@ if wanted toy && [ -d "$tmp/toy" ]; then
     python3 -m bench.same_tokens "$tmp/toy" --out "$OUT/toy_same_tokens.md" >> "$log" 2>&1
     echo "== toy: answers identical to ar's: exit $?" | tee -a "$log"
 fi
+# where a host-bound round's time goes: the toy's Sparrow rounds as a plain loop under torch.profiler (into the log)
+part rounds 120 python3 -m bench.engine_vs_loop --method sparrow --device cuda --videos 2 --rounds 3 --profile -- \
+    resources=gpu model.target.compile=cudagraph
+part anatomy 160 python3 -m bench.step_anatomy random:qwen2.5-vl-7b --contexts 8192 32768 --out "$OUT"
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True part figure5 480 python3 -m run -m +experiment=bench_quickvideo_gpu \
     hydra.sweep.dir="$tmp/figure5"
 [ -f "$tmp/figure5/report.md" ] && cp "$tmp/figure5/report.md" "$OUT/figure5.md"

@@ -28,6 +28,8 @@ import time
 from collections import deque
 from contextlib import contextmanager
 
+import torch
+
 
 def speculative_decode(target, drafter, *, ahead: int = 1, first_from_prefill: bool = False) -> list[int]:
     """The committed tokens; `target.rounds` holds the round-by-round record (M, acceptance)."""
@@ -53,7 +55,9 @@ class Elapsed:
 
 @contextmanager
 def stopwatch(name: str):
-    """What the engine's ctx.timer gives a stage, off the engine: the block's wall time in `.seconds`."""
+    """What the engine's ctx.timer gives a stage, off the engine: the block's wall time in `.seconds`
+    (and, under torch.profiler, a region of that name: bench.engine_vs_loop --profile)."""
     elapsed, start = Elapsed(), time.perf_counter()
-    yield elapsed
+    with torch.profiler.record_function(name):
+        yield elapsed
     elapsed.seconds = time.perf_counter() - start

@@ -33,3 +33,11 @@ def test_it_times_the_engine_and_the_loop_round_by_round(capsys):
 def test_one_round_is_refused():
     with pytest.raises(SystemExit):
         main(["--rounds", "1"])
+
+
+def test_the_profile_tables_of_the_last_rounds_loops(capsys):
+    main(["--videos", "1", "--rounds", "2", "--profile", *SHORT])
+    out = capsys.readouterr().out
+    assert "by total host time" in out and "by their own host time" in out
+    names = {line.split()[0] for line in out.splitlines() if line.split()}
+    assert {"verify", "draft_token"} <= names and "aten::mm" in names    # the rounds' timers as regions, and the ops
