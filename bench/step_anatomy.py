@@ -6,7 +6,8 @@ runs it (once per layer), against the whole captured step and the step's memory 
 For each context (random embeddings prefilled to that many cached entries):
 - the layers' weight products alone for 1, 4 and 16 rows: as loaded (q, k, v, o, gate, up, down,
   seven a layer) and packed (models.packing: q, k and v in one, gate and up in one, five a layer),
-  and the LM head;
+  and the LM head; and each packed product alone for one row, with the bytes it streams and its
+  rate (which of them falls short of the copy rate);
 - attention over the cache per layer: the prefix-attention kernel's path (models.prefix_attention,
   what captured steps run) and split attention (two matrix products, what compiled CPU steps run)
   for 1, 16 and 32 new tokens, beside SDPA over the held keys (a fused kernel, but one that returns
@@ -111,6 +112,20 @@ def packed_products(packed: list, x: torch.Tensor):
     return h
 
 
+def product_parts(packed: list, x: torch.Tensor) -> list[tuple[str, float]]:
+    """Each packed product alone over every layer for one row x [1, hidden], with the bytes it
+    streams and the rate: which of the four products falls short of the copy rate."""
+    layers, rows = len(packed), []
+    p0 = packed[0]
+    inputs = {"q, k, v (one product)": (x, "qkv"), "o": (x.new_zeros(1, p0.o.shape[0]), "o"),
+              "gate, up (one product)": (x, "gate_up"), "down": (x.new_zeros(1, p0.intermediate), "down")}
+    for name, (h, field) in inputs.items():
+        ms = device_ms(lambda h=h, field=field: [h @ getattr(p, field) for p in packed])
+        gb = sum(getattr(p, field).numel() * getattr(p, field).element_size() for p in packed) / 1e9
+        rows.append((f"{name} ×{layers}, 1 row: {gb:.2f} GB at {gb / ms:.2f} TB/s", ms))
+    return rows
+
+
 def attention_parts(lm, cache, context: int, g: torch.Generator) -> list[tuple[str, float]]:
     """Per-layer attention over the cache's buffers, every layer, for 1, 16 and 32 new tokens."""
     lean, device, rows = lm.lean, lm.device, []
@@ -185,6 +200,8 @@ def anatomy(lm, context: int, bandwidth: float, steps: dict, modes, packed) -> t
             rows.append((f"the {layers} layers' weight products packed, {n} rows",
                          device_ms(lambda: packed_products(packed, x))))
         rows.append((f"LM head, {n} rows", device_ms(lambda: lm.lm_head(x).float())))
+        if packed is not None and n == 1:
+            rows += product_parts(packed, x)
     rows += attention_parts(lm, cache, context, g)
     x = torch.randn(1, lm.hidden_size, generator=g).to(lm.device, lm.dtype)
     norm = lm.lean.layers[0].input_norm

@@ -37,6 +37,10 @@ def test_a_run_writes_a_table_per_context_with_the_floor_first(tmp_path, capsys)
         # every part the module doc lists, on the CPU (captured steps and SDPA need CUDA)
         assert sum("weight products" in n for n in names) == 6 and sum("LM head" in n for n in names) == 3
         assert sum("weight products packed" in n for n in names) == 3
+        products = [n for n in names if " 1 row: " in n]                    # each packed product alone, one row
+        assert [n.split(" ×")[0].removeprefix("| ") for n in products] == ["q, k, v (one product)", "o",
+                                                                          "gate, up (one product)", "down"]
+        assert all(n.endswith("TB/s") for n in products)
         assert sum("prefix-attention path" in n for n in names) == 3 and sum("split attention" in n for n in names) == 3
         assert any("RMSNorm" in n for n in names)
         assert all(float(r[1]) > 0 for r in rows)
