@@ -17,8 +17,8 @@ On a machine whose speed drifts within minutes, only ratios of interleaved timin
 this is why both sides run in one process, round by round.
 
 Overrides after `--` are Hydra overrides of `+experiment=bench_sd` (compiled steps by default).
---profile prints torch.profiler's tables of the last round's plain loops (the rounds' timed regions
-and operations by total and by own host time): where a host-bound round spends its time, as a
+--profile runs one more round, untimed, and prints torch.profiler's tables of its plain loops (the
+rounds' timed regions and operations by total and by own host time): where a host-bound round spends its time, as a
 small model's rounds are on a GPU. Timings only; nothing here is a unit test.
 """
 
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=6, help="rounds over the videos; the first warms up")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                         help="where the loop's stages load the models (cuda: add resources=gpu for the engine)")
-    parser.add_argument("--profile", action="store_true", help="print profiler tables of the last round's loops")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more round, its loops under the profiler (not in the figures): print its tables")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (after --)")
     args = parser.parse_args(argv)
     if args.rounds < 2:
@@ -100,11 +101,15 @@ def main(argv: list[str] | None = None) -> None:
         verifier_stage.setup(SimpleNamespace(device=device))
         draft_stage.setup(SimpleNamespace(device=device))
         profiler = None
-        for round_ in range(args.rounds):
-            if args.profile and round_ == args.rounds - 1:
+        # the timed rounds, then (--profile) one more whose loops run under the profiler, left out
+        # of the figures (the profiler's own cost would be in them)
+        for round_ in range(args.rounds + (1 if args.profile else 0)):
+            if round_ == args.rounds:
                 kinds = torch.profiler.ProfilerActivity
-                activities = [kinds.CPU] + ([kinds.CUDA] if cuda else [])
-                profiler = torch.profiler.profile(activities=activities)
+                # acc_events: one profile over every loop of the round, entered once per loop (the
+                # engine's and the prefills' runs between them stay out)
+                profiler = torch.profiler.profile(activities=[kinds.CPU] + ([kinds.CUDA] if cuda else []),
+                                                  acc_events=True)
             for request in requests:
                 result = engine.run(request)
                 n = len(result.outputs[answer].ids)
@@ -122,10 +127,10 @@ def main(argv: list[str] | None = None) -> None:
                     loop_s = time.perf_counter() - t0
                 if ids != list(result.outputs[answer].ids):
                     raise SystemExit(f"the engine and the loop decoded different tokens for {request.id}")
-                if round_:
+                if 0 < round_ < args.rounds:
                     per_token["engine"].append(1000 * engine_s / n)
                     per_token["loop"].append(1000 * loop_s / len(ids))
-            if round_:
+            if 0 < round_ < args.rounds:
                 engine_ms, loop_ms = (statistics.median(per_token[k]) for k in ("engine", "loop"))
                 print(f"round {round_}: ms a token, engine {engine_ms:.2f}, plain loop {loop_ms:.2f} "
                       f"(engine / loop {engine_ms / loop_ms:.2f})", flush=True)
@@ -138,7 +143,7 @@ def print_profile(profiler, rows: int = 30) -> None:
     "verify": what Tq and Tp time) and operation by its total host time, then the operations by
     their own host time (launches and host work; on a GPU, CUDA time beside it)."""
     averages = profiler.key_averages()
-    print(f"\nthe last round's plain loops by total host time (regions: the rounds' timers; top {rows}):")
+    print(f"\nthe profiled round's plain loops by total host time (regions: the rounds' timers; top {rows}):")
     print(averages.table(sort_by="cpu_time_total", row_limit=rows))
     print(f"\nthe same by their own host time (top {rows}):")
     print(averages.table(sort_by="self_cpu_time_total", row_limit=rows))

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+ROOT = Path(__file__).resolve().parent.parent          # relative paths are also tried from the project root
+
 
 @dataclass(frozen=True)
 class DraftVocabulary:
@@ -58,10 +60,12 @@ class DraftVocabulary:
 
     @classmethod
     def load(cls, path, lm) -> DraftVocabulary:
-        """A JSON file: a list of token ids, or {"ids": [...], ...} as tools.draft_vocab writes."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"draft vocabulary {path}: no such file (python -m tools.draft_vocab makes one)")
+        """A JSON file: a list of token ids, or {"ids": [...], ...} as tools.draft_vocab writes. A
+        relative path is tried as given, then from the project root (as a head's directory is)."""
+        given = Path(path).expanduser()
+        path = next((p for p in (given, ROOT / given) if p.is_file()), None)
+        if path is None:
+            raise FileNotFoundError(f"draft vocabulary {given}: no such file (python -m tools.draft_vocab makes one)")
         data = json.loads(path.read_text())
         ids = data["ids"] if isinstance(data, dict) else data
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):

@@ -43,8 +43,9 @@ def files_of(sources: list[Path]) -> list[Path]:
 
 
 def _run_dir(folder: Path) -> bool:
-    """A reelflow run's folder, whose .txt files (plan.txt, error.txt) are not answers."""
-    return (folder / "results.jsonl").exists() or (folder / "metrics.json").exists()
+    """A reelflow run's folder (finished or not), whose .txt files (plan.txt, error.txt) are not answers."""
+    return any((folder / name).exists() for name in ("results.jsonl", "metrics.json", "plan.txt", "error.txt",
+                                                      ".hydra"))
 
 
 def count_tokens(files: list[Path], tokenizer=None) -> Counter:

@@ -36,8 +36,10 @@ def test_one_round_is_refused():
 
 
 def test_the_profile_tables_of_the_last_rounds_loops(capsys):
+    """One more round than the timed ones, under the profiler, and not among the printed rounds."""
     main(["--videos", "1", "--rounds", "2", "--profile", *SHORT])
     out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("round ")] == ["round 1"]
     assert "by total host time" in out and "by their own host time" in out
     names = {line.split()[0] for line in out.splitlines() if line.split()}
     assert {"verify", "draft_token"} <= names and "aten::mm" in names    # the rounds' timers as regions, and the ops

@@ -47,7 +47,7 @@ def test_the_rows_are_the_lm_heads_and_the_end_token_is_always_kept(head_and_tar
     assert with_end.ids.tolist() == [*lm.eos_ids, 5]              # listed already: not added twice
 
 
-def test_bad_lists_are_refused_with_what_is_wrong(head_and_target, tmp_path):
+def test_bad_lists_are_refused_with_what_is_wrong(head_and_target, tmp_path, monkeypatch):
     _, lm = head_and_target
     with pytest.raises(ValueError, match="outside the target's vocabulary of 64"):
         DraftVocabulary.of(lm, [1, 64])
@@ -62,6 +62,8 @@ def test_bad_lists_are_refused_with_what_is_wrong(head_and_target, tmp_path):
     (tmp_path / "dict.json").write_text(json.dumps({"ids": [7, 9], "covered": 0.5}))
     assert DraftVocabulary.load(tmp_path / "list.json", lm).ids.tolist() == \
         DraftVocabulary.load(tmp_path / "dict.json", lm).ids.tolist() == [7, 9, *sorted(lm.eos_ids)]
+    monkeypatch.setattr("speculative.draft_vocab.ROOT", tmp_path)      # a path relative to the project root
+    assert DraftVocabulary.load("list.json", lm).ids.tolist() == [7, 9, *sorted(lm.eos_ids)]
 
 
 @pytest.mark.parametrize("shape", [(10, 6, 2), (30, 4, 8), (5, 3, 64)])

@@ -33,6 +33,9 @@ def test_a_one_request_runs_metrics_count_and_a_results_files_metrics_do_not_cou
     results(tmp_path / "many" / "results.jsonl", [[9, 4]])
     (tmp_path / "many" / "metrics.json").write_text(json.dumps({"runs": [{"output_ids": [9, 4]}]}))
     (tmp_path / "many" / "plan.txt").write_text("a run's plan, not an answer")
+    (tmp_path / "failed").mkdir()                                   # a run that failed at setup: no answers
+    (tmp_path / "failed" / "plan.txt").write_text("plan")
+    (tmp_path / "failed" / "error.txt").write_text("Traceback")
     assert count_tokens(files_of([tmp_path])) == {9: 3, 4: 2}
 
 
