@@ -6,9 +6,9 @@
 torch's graph capture shares one default capture stream among all threads, and torch documents
 that only one capture may be underway in a process at a time. With two models on one GPU (a draft's
 thread and the target's, resources=gpu) each captures its request's graphs as its caches grow, at
-the same moments: on a shared stream the one capture records the other thread's kernels too, a
-graph that writes another model's buffers at wrong offsets (met on an H200 as an out-of-bounds
-index_copy in ParallelVLM's verification). So here:
+the same moments: on a shared stream one capture can record the other thread's kernels too, a
+graph that then writes another model's buffers (the likely cause of an out-of-bounds index_copy
+met on an H200 in ParallelVLM's verification, with both models capturing). So here:
 
 - one capture at a time in the process (a lock, held through the warm-up as well, so that no
   capture's warm-up runs while another's capture records);
