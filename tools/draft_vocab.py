@@ -82,8 +82,10 @@ def most_used(counts: Counter, size: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tools.draft_vocab", description=__doc__.split("\n")[0])
-    parser.add_argument("sources", nargs="+", type=Path, help="results.jsonl or .txt files, or folders of them")
+    parser = argparse.ArgumentParser(prog="python -m tools.draft_vocab",
+                                     description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("sources", nargs="+", type=Path,
+                        help="a run's results.jsonl or metrics.json, .txt files, or folders of them")
     parser.add_argument("--size", type=int, required=True, help="how many token ids to keep")
     parser.add_argument("--out", type=Path, required=True, help="the JSON file to write")
     parser.add_argument("--model", help="the target (a directory or hub id on disk): its tokenizer, for text files")
