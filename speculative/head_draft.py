@@ -49,7 +49,7 @@ def draft_tree(head: SparrowHead, lm, cache: HeadCache, top: torch.Tensor, posit
     # top is a row of the head's last output: a copy of its own, so that a compiled grow sees the
     # same layout (no storage offset) whichever row it was
     tokens, parents, scores = grow(head, lm, cache.keys, cache.values, top.clone(), position, depth=depth,
-                                   topk=topk, vocab=vocab, **({} if draft is None else {"draft": draft}))
+                                   topk=topk, vocab=vocab, draft=draft)
     # the reranking and everything after it run on the host, as the verifier's tree code does
     tokens, parents, scores = tokens.cpu(), parents.cpu(), scores.cpu()
     kept, kept_parents = best_subtree(parents, scores, total)

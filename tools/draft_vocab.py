@@ -1,8 +1,8 @@
 """A draft vocabulary for a Sparrow head: the N tokens answers use most, counted from the target's
 own answers (a run's results.jsonl) or from text files tokenized with the target's tokenizer.
 
-    python -m run -m +experiment=ar data=folder data.folder=~/videos      # the target's own answers first
-    python -m tools.draft_vocab outputs/.../results.jsonl --size 32768 --out draft_vocab.json
+    python -m run +experiment=ar data=folder data.folder=~/videos hydra.run.dir=runs/ar   # the target's own answers
+    python -m tools.draft_vocab runs/ar --size 32768 --out draft_vocab.json
     python -m tools.draft_vocab answers/ --model ~/ckpt/qwen2.5-vl-7b --size 32768 --out draft_vocab.json
     python -m run +experiment=sparrow graph.draft_vocab=draft_vocab.json
 
