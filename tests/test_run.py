@@ -459,3 +459,39 @@ def test_the_gpu_figure5_benchmark_runs_at_a_small_size_on_the_cpu(tmp_path):
     for r in runs:
         assert r["stages"]["encode"]["counts"]["flops"] > 0 and r["stages"]["prefill"]["counts"]["flops"] > 0
         assert r["tokens_meta"]["prefill"]["matrix_flops_per_s"] > 1e9
+
+
+EXIT_PROBE = """
+import atexit, sys
+sys.path.insert(0, {root!r})
+from run import ExitWithoutTeardown
+
+class Teardown:                     # a cycle: only the interpreter's teardown collection frees it
+    def __del__(self, open=open):   # bound now: the teardown clears builtins before it collects
+        open({teardown!r}, "w").close()
+
+probe = Teardown()
+probe.self = probe
+leave = ExitWithoutTeardown()
+atexit.register(leave)
+atexit.register(lambda: open({handler!r}, "w").close())    # registered later: runs first
+print("buffered output", end="")
+{leaving}
+"""
+
+
+@pytest.mark.parametrize("leaving, status, torn_down", [
+    ("", 0, False), ("leave.record(SystemExit(3))", 3, False), ("leave.record(SystemExit('why'))", 1, False),
+    ("leave.record(RuntimeError())", 1, False), ("leave.record(KeyboardInterrupt())", 0, True)])
+def test_the_command_line_exits_with_its_status_after_every_exit_handler_without_tearing_down(
+        tmp_path, leaving, status, torn_down):
+    """ExitWithoutTeardown: the status of the error it recorded, the exit handlers registered after
+    it run, buffered output is flushed, and the interpreter's teardown is skipped (a cycle's
+    __del__ never runs), except after a recorded Ctrl-C, which leaves Python's own way."""
+    teardown, handler = tmp_path / "teardown", tmp_path / "handler"
+    script = EXIT_PROBE.format(root=str(ROOT), teardown=str(teardown), handler=str(handler), leaving=leaving)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == status, out.stderr
+    assert out.stdout == "buffered output"
+    assert handler.exists()
+    assert teardown.exists() == torn_down
