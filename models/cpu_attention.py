@@ -2,7 +2,7 @@
 (models/csrc/prefix_attention.cpp), returning the softmax's log-sum-exp beside the output so the
 compiled steps merge it with the new tokens' part (models.compiled_step.split_attention).
 
-    if cpu_attention.serves(lean.head_dim, dtype, device):     # builds the CPU kernels once per machine
+    if cpu_attention.serves(lean.head_dim, dtype, device):     # builds the CPU kernels once per machine and environment
         out, lse = cpu_attention.prefix_attention(q, keys, values, scaling)
             q [KV, R, hd] (the rows grouped by the KV head they read); keys, values [KV, L, hd]
             (a cache buffer's view is read in place) -> out float32 [KV, R, hd], lse float32 [KV, R]

@@ -1,16 +1,18 @@
-"""reelflow's C++ kernels for the CPU (models/csrc/*.cpp), built once per machine by torch's
-extension loader as torch operators; each user module gives its operator's shape function, so
-torch.compile calls them from a compiled step as it calls MKL:
+"""reelflow's C++ kernels for the CPU (models/csrc/*.cpp), built once per machine and Python
+environment by torch's extension loader as torch operators; each user module gives its operator's
+shape function, so torch.compile calls them from a compiled step as it calls MKL:
 
     torch.ops.reelflow_tiled.tiled_mm           models.tiled: products of a few rows
     torch.ops.reelflow_cpu.prefix_attention     models.cpu_attention: a few rows over a cached prefix
 
     if cpu_kernels.available(): ...          # builds them on first call (about 30 s), else says why not
 
-They are built with -march=native for the CPU at hand; the build's name carries the CPU's flags
-and the sources' hash, so a cache directory shared by different machines never hands one
-another's build. Without a C++ compiler (which torch.compile needs on the CPU too) they are
-unavailable and every caller keeps its torch path.
+They are built with -march=native for the CPU at hand; the build's name carries the CPU's flags,
+the sources' hash and the torch installation it links against, so a cache directory shared by
+different machines, or by two Python environments on one (torch's loader keeps one build a name,
+and each environment's include paths would rebuild the other's), never hands one another's
+build. Without a C++ compiler (which torch.compile needs on the CPU too) they are unavailable and
+every caller keeps its torch path.
 """
 
 from __future__ import annotations
@@ -34,13 +36,19 @@ LDFLAGS = ["-fopenmp"]
 
 
 def _machine_tag() -> str:
-    """What the build is for: this CPU's flags (-march=native), the compiler flags and the sources."""
+    """What the build is for: this CPU's flags (-march=native), the compiler flags, the sources, and
+    the torch and Python it compiles against (their versions and where they are installed)."""
+    import sysconfig
+
+    import torch
+
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    text = flags + " ".join(CFLAGS + LDFLAGS) + "".join(p.read_text() for p in SOURCES + HEADERS)
+    environment = f"{torch.__version__} {Path(torch.__file__).parent} {sysconfig.get_paths()['include']}"
+    text = flags + " ".join(CFLAGS + LDFLAGS) + environment + "".join(p.read_text() for p in SOURCES + HEADERS)
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
@@ -64,7 +72,7 @@ def _build() -> str | None:
         return f"{type(e).__name__}: {e}"
     seconds = time.perf_counter() - started
     if seconds > 2:
-        log.info("built reelflow's CPU kernels in %.1f s (once per machine)", seconds)
+        log.info("built reelflow's CPU kernels in %.1f s (once per machine and Python environment)", seconds)
     return None
 
 

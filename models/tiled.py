@@ -1,6 +1,6 @@
 """Weights in column tiles for products of a few rows on the CPU, and the kernel that reads them.
 
-    if tiled.available():                      # builds reelflow's CPU kernels once per machine (models.cpu_kernels)
+    if tiled.available():                      # builds reelflow's CPU kernels once per environment (models.cpu_kernels)
         tiles = tiled.tile(w)                  # w [K, N] -> [ceil(N / 32), K, 32]
         out = tiled.product(x, tiles, bias, n) # x [rows, K] -> x · w + bias, [rows, N]
 
