@@ -203,6 +203,61 @@ def check_config_choices(argv: list[str]) -> None:
         sys.exit(2)
 
 
+def check_override_keys(argv: list[str]) -> None:
+    """`KEY=VALUE` whose KEY the composed config lacks (a misspelt `graph.prune.kep=0.2`): one line
+    naming the closest keys, status 2 like every other config error, before Hydra (which says it in
+    five lines, status 1, and suggests `+KEY`, which would add the misspelt key). The config is
+    composed from the other arguments, a sweep's first value each; anything this check cannot
+    compose (a sweep function, a config from elsewhere) is left to Hydra."""
+    import difflib
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import DictConfig, ListConfig
+
+    root = Path(__file__).resolve().parent / "conf"
+    plain, others = [], []
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        if "(" in value or "searchpath" in key:
+            return
+        first = value.split(",")[0] if "," in value and not value.startswith(("[", "{", "'", '"')) else value
+        chooses = key[0] in "+~" or "/" in key or "@" in key or (root / key).is_dir()     # a group, or adds a key
+        if chooses or key.split(".")[0] in ("hydra", "train"):      # train.*: check_train_keys' (Hydra's own)
+            others.append(f"{key}={first}")
+        else:
+            plain.append(key)
+    if not plain:
+        return
+    try:
+        with initialize_config_dir(config_dir=str(root), version_base="1.3"):
+            cfg = compose("config", overrides=others)
+    except Exception:          # what Hydra itself refuses, it says in its own words
+        return
+    problems = []
+    for key in plain:
+        node, where = cfg, []
+        for part in key.split("."):
+            if isinstance(node, DictConfig) and part in node.keys():
+                node = node._get_node(part)
+            elif isinstance(node, ListConfig) and part.isdigit() and int(part) < len(node):
+                node = node._get_node(int(part))
+            else:
+                if isinstance(node, DictConfig):
+                    close = difflib.get_close_matches(part, [str(k) for k in node.keys()], n=2)
+                    hint = (f"did you mean {' or '.join('.'.join([*where, c]) for c in close)}?" if close
+                            else f"a key of your own: +{key}=...")
+                    problems.append(f"{key}: no key '{part}' in {'.'.join(where) or 'the config'}; {hint}")
+                else:
+                    problems.append(f"{key}: {'.'.join(where)} holds a value, not keys")
+                break
+            where.append(part)
+    if problems:
+        print("reelflow: " + "\n  ".join(problems), file=sys.stderr)
+        sys.exit(2)
+
+
 def expand_home(argv: list[str]) -> list[str]:
     """`key=~/videos` (and each `~/...` of a sweep's `key=~/a,~/b`) with the home directory put in.
     A shell leaves a `~` after `key=` as it is, since `data.folder=` is no shell assignment, and
@@ -273,6 +328,7 @@ if __name__ == "__main__":
         start_openmp_runtime(sys.argv[1:])
         check_config_choices(sys.argv[1:])
         check_train_keys(sys.argv[1:])
+        check_override_keys(sys.argv[1:])
         main()
     except BaseException as error:
         leave.record(error)

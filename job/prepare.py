@@ -19,9 +19,10 @@ def prepare(cfg: DictConfig, n_cuda: int | None = None) -> tuple[GraphSpec, Plan
 
     from models.prefix_attention import environment_problem
 
-    model_problems = model_entry_problems(cfg.get("model")) + [p for p in [environment_problem()] if p]
-    if model_problems:
-        raise ConfigError(model_problems)
+    problems = (executor_problems(cfg.get("executor")) + model_entry_problems(cfg.get("model"))
+                + [p for p in [environment_problem()] if p])
+    if problems:
+        raise ConfigError(problems)
     resources, cores, strict = load_resources(cfg.get("resources"), n_cuda=n_cuda)
     try:
         spec = build_graph(cfg.get("graph"), resources)
@@ -53,6 +54,22 @@ def stage_value_problems(spec: GraphSpec) -> list[str]:
             build_stage(node.stage_cfg)
         except (ValueError, TypeError) as e:
             problems.append(f"node '{name}' ({node.stage_cls.__name__}): {e}. Fix: graph.nodes.{name}.stage.<key>=...")
+    return problems
+
+
+EXECUTOR_KEYS = ("runner", "capacity", "warmup", "cancel_timeout_s", "progress", "openmp")   # conf/config.yaml's
+
+
+def executor_problems(executor) -> list[str]:
+    """A key of `executor` no part of the job reads (`+executor.runer=...` adds one where Hydra
+    would refuse `executor.runer=...`): one problem each, naming the closest known key."""
+    import difflib
+
+    problems = []
+    for key in sorted(set(executor or {}) - set(EXECUTOR_KEYS)):
+        close = difflib.get_close_matches(key, EXECUTOR_KEYS, n=1)
+        hint = f"did you mean executor.{close[0]}? " if close else ""
+        problems.append(f"executor.{key}: no such key; {hint}the executor takes {', '.join(EXECUTOR_KEYS)}")
     return problems
 
 

@@ -495,3 +495,46 @@ def test_the_command_line_exits_with_its_status_after_every_exit_handler_without
     assert out.stdout == "buffered output"
     assert handler.exists()
     assert teardown.exists() == torn_down
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["+experiment=quickvideo", "graph.prune.kep=0.2"], "graph.prune.kep: no key 'kep' in graph.prune; did you mean "
+                                                        "graph.prune.keep?"),
+    (["executor.runer=sequential"], "executor.runer: no key 'runer' in executor; did you mean executor.runner?"),
+    (["-m", "+experiment=bench_sparrow", "method=ar,sparrow", "bench.fpz=2,8"], "bench.fpz: no key 'fpz' in bench"),
+    (["grph.window=3"], "grph.window: no key 'grph' in the config; did you mean graph?"),
+], ids=["nested", "executor", "swept", "top"])
+def test_a_misspelt_key_is_one_line_and_status_2(args, expect, tmp_path):
+    out = run(*args, f"hydra.run.dir={tmp_path}", f"hydra.sweep.dir={tmp_path}")
+    assert out.returncode == 2 and expect in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "HYDRA_FULL_ERROR" not in out.stderr
+    assert not any(tmp_path.iterdir())                  # refused before Hydra made a run dir
+
+
+def documented_commands() -> list[list[str]]:
+    """Every `python -m run ...` command of the README and docs/, as its arguments (continued lines joined)."""
+    import re
+    import shlex
+
+    commands = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = re.sub(r"\\\n\s*", " ", doc.read_text())
+        for line in text.splitlines():
+            found = re.search(r"python -m run\b(.*)", line.split("#")[0].split("`")[0] if "`" not in line[:4] else "")
+            if found and found[1].strip():
+                try:
+                    commands.append(shlex.split(found[1]))
+                except ValueError:        # prose around a command, not a command
+                    continue
+    return commands
+
+
+def test_no_documented_command_is_refused_by_the_key_check():
+    """check_override_keys composes the config to find misspelt keys: a key the docs use must
+    never be one it refuses (VIDEO, FILE... stand for the user's own values)."""
+    from run import check_override_keys
+
+    commands = documented_commands()
+    assert len(commands) > 30, commands
+    for args in commands:
+        check_override_keys(args)                           # no exit

@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 
 from graph.resources import load_resources
 from graph.spec import ConfigError, build_graph
-from job.prepare import model_entry_problems, prepare, stage_value_problems
+from job.prepare import EXECUTOR_KEYS, executor_problems, model_entry_problems, prepare, stage_value_problems
+from tests.conf.test_experiments import composed
 from tests.helpers import CPU, node
 
 ENTRY = {"path": "zoo/weights/qwen-target", "dtype": "float32", "lean": True, "compile": "off", "pack": "auto"}
@@ -69,3 +70,12 @@ def test_a_value_a_stage_refuses_is_a_config_problem_naming_the_node():
     problems = stage_value_problems(spec)
     assert [p.split(":")[0] for p in problems] == ["node 'a' (Producer)", "node 'b' (Consumer)"]
     assert "items must be" in problems[0] and "iters ≥ 0" in problems[1]
+
+
+def test_the_executor_takes_the_keys_of_the_default_config_and_a_misspelt_one_is_named():
+    assert set(composed([]).executor) == set(EXECUTOR_KEYS)        # conf/config.yaml's executor block
+    assert executor_problems(composed([]).executor) == [] and executor_problems(None) == []
+    assert executor_problems(OmegaConf.create({"runner": "threaded", "runer": "sequential", "zzz": 1})) == [
+        "executor.runer: no such key; did you mean executor.runner? the executor takes "
+        "runner, capacity, warmup, cancel_timeout_s, progress, openmp",
+        "executor.zzz: no such key; the executor takes runner, capacity, warmup, cancel_timeout_s, progress, openmp"]
