@@ -47,6 +47,18 @@ def runtime_in_use() -> str:
     return "intel" if "libiomp5" in maps else "gnu"
 
 
+def preload_advice(choice: str = "auto") -> str | None:
+    """What to tell a process that runs torch's GNU runtime though Intel's is installed and the
+    config leaves the choice to reelflow (`executor.openmp=auto`): a script started without the
+    preload that `python -m run` sets itself. None otherwise."""
+    if choice != "auto" or runtime_in_use() != "gnu" or intel_library() is None:
+        return None
+    return ("this process runs torch's own OpenMP runtime (GNU's), though Intel's is installed: `python -m run` "
+            "restarts itself under Intel's, which ran the engine's model steps faster on our CPUs; a script gets it "
+            "by starting as LD_PRELOAD=$(python -m job.openmp) python SCRIPT.py (executor.openmp=gnu keeps GNU's "
+            "and says nothing)")
+
+
 def requested(argv: list[str]) -> str:
     """The `executor.openmp=` override of a command line (the last one wins), else 'auto'."""
     values = [arg[len(_KEY):] for arg in argv if arg.startswith(_KEY)]

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from graph.executor import Executor, StageFailed
-from job.openmp import runtime_in_use
+from job.openmp import preload_advice, runtime_in_use
 from job.prepare import graph_ports, prepare
 from job.report import run_metrics, write_metrics, write_trace_files
 from job.results import NAME, ResultLog, outcome, prepare_run_dir, request_ids
@@ -43,7 +43,11 @@ def run_job(cfg: DictConfig, requests: list[Any], run_dir: Path, *, each: bool |
         each = len(requests) > 1 or bool(cluster.get("resume")) or (run_dir / NAME).exists()
     if each or on_ray:
         prepare_run_dir(cfg, run_dir)     # before anything is written into the run dir
-    plan_text = f"{plan.to_text()}\nOpenMP runtime: {runtime_in_use()}\n"
+    advice = preload_advice(str((cfg.get("executor") or {}).get("openmp", "auto")))
+    if advice:
+        log.warning("%s", advice)
+    note = " (Intel's is installed: LD_PRELOAD=$(python -m job.openmp) before python)" if advice else ""
+    plan_text = f"{plan.to_text()}\nOpenMP runtime: {runtime_in_use()}{note}\n"
     (run_dir / "plan.txt").write_text(plan_text)
     log.info("plan:\n%s", plan_text)
     if on_ray:

@@ -13,6 +13,7 @@ from job.openmp import (
     OpenMPChoiceError,
     environment_for_children,
     intel_library,
+    preload_advice,
     preload_environment,
     requested,
     runtime_in_use,
@@ -72,3 +73,26 @@ def test_a_bad_choice_is_one_message_and_status_2(tmp_path):
     out = run("executor.openmp=iomp", f"hydra.run.dir={tmp_path}")
     assert out.returncode == 2
     assert "executor.openmp='iomp': choose one of auto, intel, gnu" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(not LINUX_X86, reason="intel-openmp is a dependency on Linux x86-64 only")
+def test_a_script_without_the_preload_is_told_how_to_start_and_a_run_that_chose_is_not():
+    """pytest runs as a script would, without the preload: auto gets the advice, a choice none."""
+    advice = preload_advice("auto")
+    assert advice is not None and "LD_PRELOAD=$(python -m job.openmp)" in advice
+    assert preload_advice("gnu") is None and preload_advice("intel") is None
+
+
+def test_a_library_run_under_gnus_runtime_says_so_in_its_plan(tmp_path, caplog):
+    from job.run import run_job
+    from stages.source import load_requests
+    from tests.conf.test_experiments import composed
+
+    cfg = composed(["+experiment=demo", "graph.nodes.source.stage.items=2", "graph.nodes.check.stage.rounds=2"])
+    run_job(cfg, load_requests(cfg.get("data")), tmp_path)
+    plan = (tmp_path / "plan.txt").read_text()
+    if preload_advice("auto"):
+        assert "OpenMP runtime: gnu (Intel's is installed: LD_PRELOAD=$(python -m job.openmp)" in plan
+        assert any("LD_PRELOAD" in r.message and r.levelname == "WARNING" for r in caplog.records)
+    else:                                     # no Intel runtime here: nothing to advise
+        assert "Intel's is installed" not in plan
