@@ -212,7 +212,7 @@ def check_override_keys(argv: list[str]) -> None:
     import difflib
 
     from hydra import compose, initialize_config_dir
-    from omegaconf import DictConfig, ListConfig
+    from omegaconf import ListConfig
 
     root = Path(__file__).resolve().parent / "conf"
     plain, others = [], []
@@ -239,20 +239,24 @@ def check_override_keys(argv: list[str]) -> None:
     for key in plain:
         node, where = cfg, []
         for part in key.split("."):
-            if isinstance(node, DictConfig) and part in node.keys():
-                node = node._get_node(part)
-            elif isinstance(node, ListConfig) and part.isdigit() and int(part) < len(node):
-                node = node._get_node(int(part))
+            index = int(part) if isinstance(node, ListConfig) and part.isdigit() else part
+            present = (index in node.keys() if isinstance(node, DictConfig) else
+                       isinstance(index, int) and index < len(node) if isinstance(node, ListConfig) else None)
+            if present is None:                     # a plain value: it has no keys to set
+                problems.append(f"{key}: {'.'.join(where)} holds a value, not keys")
+            elif not present:
+                keys = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+                close = difflib.get_close_matches(part, keys, n=2)
+                hint = (f"did you mean {' or '.join('.'.join([*where, c]) for c in close)}?" if close
+                        else f"a key of your own: +{key}=...")
+                problems.append(f"{key}: no key '{part}' in {'.'.join(where) or 'the config'}; {hint}")
+            elif OmegaConf.is_interpolation(node, index) or OmegaConf.is_missing(node, index) or node[index] is None:
+                break                               # what it stands for is known only when resolved: Hydra's
             else:
-                if isinstance(node, DictConfig):
-                    close = difflib.get_close_matches(part, [str(k) for k in node.keys()], n=2)
-                    hint = (f"did you mean {' or '.join('.'.join([*where, c]) for c in close)}?" if close
-                            else f"a key of your own: +{key}=...")
-                    problems.append(f"{key}: no key '{part}' in {'.'.join(where) or 'the config'}; {hint}")
-                else:
-                    problems.append(f"{key}: {'.'.join(where)} holds a value, not keys")
-                break
-            where.append(part)
+                node = node[index]
+                where.append(part)
+                continue
+            break
     if problems:
         print("reelflow: " + "\n  ".join(problems), file=sys.stderr)
         sys.exit(2)

@@ -503,7 +503,8 @@ def test_the_command_line_exits_with_its_status_after_every_exit_handler_without
     (["executor.runer=sequential"], "executor.runer: no key 'runer' in executor; did you mean executor.runner?"),
     (["-m", "+experiment=bench_sparrow", "method=ar,sparrow", "bench.fpz=2,8"], "bench.fpz: no key 'fpz' in bench"),
     (["grph.window=3"], "grph.window: no key 'grph' in the config; did you mean graph?"),
-], ids=["nested", "executor", "swept", "top"])
+    (["executor.runner.kind=x"], "executor.runner.kind: executor.runner holds a value, not keys"),
+], ids=["nested", "executor", "swept", "top", "under-a-value"])
 def test_a_misspelt_key_is_one_line_and_status_2(args, expect, tmp_path):
     out = run(*args, f"hydra.run.dir={tmp_path}", f"hydra.sweep.dir={tmp_path}")
     assert out.returncode == 2 and expect in out.stderr, out.stderr
