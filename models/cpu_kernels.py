@@ -8,10 +8,10 @@ shape function, so torch.compile calls them from a compiled step as it calls MKL
     if cpu_kernels.available(): ...          # builds them on first call (about 30 s), else says why not
 
 They are built with -march=native for the CPU at hand; the build's name carries the CPU's flags,
-the sources' hash and the torch installation it links against, so a cache directory shared by
-different machines, or by two Python environments on one (torch's loader keeps one build a name,
-and each environment's include paths would rebuild the other's), never hands one another's
-build. Without a C++ compiler (which torch.compile needs on the CPU too) they are unavailable and
+the sources' hash and place, and the torch installation it links against, so a cache directory
+shared by different machines, or by two clones or Python environments on one (torch's loader keeps
+one build a name, and each one's paths in its build file would rebuild the other's), never hands
+one another's build. Without a C++ compiler (which torch.compile needs on the CPU too) they are unavailable and
 every caller keeps its torch path.
 """
 
@@ -36,8 +36,8 @@ LDFLAGS = ["-fopenmp"]
 
 
 def _machine_tag() -> str:
-    """What the build is for: this CPU's flags (-march=native), the compiler flags, the sources, and
-    the torch and Python it compiles against (their versions and where they are installed)."""
+    """What the build is for: this CPU's flags (-march=native), the compiler flags, the sources (their
+    text and where they are), and the torch and Python it compiles against (versions and places)."""
     import sysconfig
 
     import torch
@@ -47,7 +47,8 @@ def _machine_tag() -> str:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    environment = f"{torch.__version__} {Path(torch.__file__).parent} {sysconfig.get_paths()['include']}"
+    # the build file names the sources' and the include files' paths: another clone or environment is another build
+    environment = f"{torch.__version__} {Path(torch.__file__).parent} {sysconfig.get_paths()['include']} {SOURCES}"
     text = flags + " ".join(CFLAGS + LDFLAGS) + environment + "".join(p.read_text() for p in SOURCES + HEADERS)
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
