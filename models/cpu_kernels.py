@@ -1,4 +1,4 @@
-"""reelflow's C++ kernels for the CPU (models/csrc/*.cpp), built once per machine and Python
+"""reelflow's C++ kernels for the CPU (models/csrc/*.cpp), built once per machine, checkout and Python
 environment by torch's extension loader as torch operators; each user module gives its operator's
 shape function, so torch.compile calls them from a compiled step as it calls MKL:
 
@@ -73,7 +73,7 @@ def _build() -> str | None:
         return f"{type(e).__name__}: {e}"
     seconds = time.perf_counter() - started
     if seconds > 2:
-        log.info("built reelflow's CPU kernels in %.1f s (once per machine and Python environment)", seconds)
+        log.info("built reelflow's CPU kernels in %.1f s (once per machine, checkout and Python environment)", seconds)
     return None
 
 
