@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from pathlib import Path
@@ -25,6 +26,12 @@ from job.results import NAME, ResultLog, outcome, prepare_run_dir, request_ids
 from models.compiling import compile_records
 
 log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    """A warning a process gives once, however many jobs it runs (lmms-eval's batches)."""
+    log.warning("%s", message)
 
 
 def run_job(cfg: DictConfig, requests: list[Any], run_dir: Path, *, each: bool | None = None) -> dict[str, Any]:
@@ -45,7 +52,7 @@ def run_job(cfg: DictConfig, requests: list[Any], run_dir: Path, *, each: bool |
         prepare_run_dir(cfg, run_dir)     # before anything is written into the run dir
     advice = preload_advice(str((cfg.get("executor") or {}).get("openmp", "auto")))
     if advice:
-        log.warning("%s", advice)
+        _warn_once(advice)
     note = " (Intel's is installed: LD_PRELOAD=$(python -m job.openmp) before python)" if advice else ""
     plan_text = f"{plan.to_text()}\nOpenMP runtime: {runtime_in_use()}{note}\n"
     (run_dir / "plan.txt").write_text(plan_text)

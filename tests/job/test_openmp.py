@@ -84,15 +84,22 @@ def test_a_script_without_the_preload_is_told_how_to_start_and_a_run_that_chose_
 
 
 def test_a_library_run_under_gnus_runtime_says_so_in_its_plan(tmp_path, caplog):
-    from job.run import run_job
+    from job.run import _warn_once, run_job
     from stages.source import load_requests
     from tests.conf.test_experiments import composed
 
     cfg = composed(["+experiment=demo", "graph.nodes.source.stage.items=2", "graph.nodes.check.stage.rounds=2"])
-    run_job(cfg, load_requests(cfg.get("data")), tmp_path)
-    plan = (tmp_path / "plan.txt").read_text()
+    (tmp_path / "first").mkdir()
+    (tmp_path / "again").mkdir()
+    _warn_once.cache_clear()                  # a process warns once: this test's run must be the first
+    run_job(cfg, load_requests(cfg.get("data")), tmp_path / "first")
+    plan = (tmp_path / "first" / "plan.txt").read_text()
     if preload_advice("auto"):
         assert "OpenMP runtime: gnu (Intel's is installed: LD_PRELOAD=$(python -m job.openmp)" in plan
         assert any("LD_PRELOAD" in r.message and r.levelname == "WARNING" for r in caplog.records)
+        caplog.clear()
+        run_job(cfg, load_requests(cfg.get("data")), tmp_path / "again")
+        assert "Intel's is installed" in (tmp_path / "again" / "plan.txt").read_text()
+        assert not any("LD_PRELOAD" in r.message for r in caplog.records)     # warned once, not a job
     else:                                     # no Intel runtime here: nothing to advise
         assert "Intel's is installed" not in plan
