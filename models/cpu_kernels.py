@@ -11,8 +11,8 @@ They are built with -march=native for the CPU at hand; the build's name carries 
 the sources' hash and place, and the torch installation it links against, so a cache directory
 shared by different machines, or by two clones or Python environments on one (torch's loader keeps
 one build a name, and each one's paths in its build file would rebuild the other's), never hands
-one another's build. Without a C++ compiler (which torch.compile needs on the CPU too) they are unavailable and
-every caller keeps its torch path.
+one another's build. Without a C++ compiler (which torch.compile needs on the CPU too) they are
+unavailable and every caller keeps its torch path.
 """
 
 from __future__ import annotations

@@ -513,20 +513,20 @@ def test_a_misspelt_key_is_one_line_and_status_2(args, expect, tmp_path):
 
 
 def documented_commands() -> list[list[str]]:
-    """Every `python -m run ...` command of the README and docs/, as its arguments (continued lines joined)."""
+    """Every `python -m run ...` command in a code block of the README and docs/, as its arguments
+    (continued lines joined, comments left out)."""
     import re
     import shlex
 
     commands = []
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        text = re.sub(r"\\\n\s*", " ", doc.read_text())
-        for line in text.splitlines():
-            found = re.search(r"python -m run\b(.*)", line.split("#")[0].split("`")[0] if "`" not in line[:4] else "")
+        in_block = False
+        for line in re.sub(r"\\\n\s*", " ", doc.read_text()).splitlines():
+            if line.lstrip().startswith("```"):
+                in_block = not in_block
+            found = re.search(r"python -m run\b(.*)", line.split(" #")[0]) if in_block else None
             if found and found[1].strip():
-                try:
-                    commands.append(shlex.split(found[1]))
-                except ValueError:        # prose around a command, not a command
-                    continue
+                commands.append(shlex.split(found[1]))
     return commands
 
 
